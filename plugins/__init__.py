@@ -1,0 +1,1 @@
+"""Framework adapters for tpde: the plain-PyTorch optimizer hook (and, later, Lightning)."""

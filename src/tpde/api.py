@@ -1,0 +1,106 @@
+"""The plain-PyTorch front end: ``Checkpointer`` saves, loads, removes and verifies steps."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from . import codec, frames, tree
+from .chain import Chain, GcReport, Problem, Reference
+from .errors import StepNotFoundError
+from .manifest import Manifest
+
+#: Measured on real training chains (see benchmarks/README.md): past ~16 deltas a keyframe costs
+#: little, and restore never has to apply more than 15 deltas.
+DEFAULT_KEYFRAME_EVERY = 16
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one save wrote."""
+
+    step: int
+    keyframe: bool
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    codecs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(1, self.stored_bytes)
+
+    @classmethod
+    def of(cls, m: Manifest) -> "StepInfo":
+        return cls(m.step, m.keyframe, m.raw_bytes, m.stored_bytes, m.seconds,
+                   dict(Counter(r.codec for r in m.records)))
+
+
+class Checkpointer:
+    """A chain of checkpoints of one run, in any fsspec location.
+
+    The writer keeps the last saved (or loaded) step in host memory, in each tensor's own dtype:
+    one extra copy of the state, which is what the next delta is coded against.  A new
+    ``Checkpointer`` on an existing run starts with a keyframe unless ``load()`` is called first.
+    """
+
+    def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+                 storage_options: dict[str, Any] | None = None, level: int = frames.DEFAULT_LEVEL,
+                 chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
+                 key_margin: float = 0.9) -> None:
+        if keyframe_every < 1:
+            raise ValueError("keyframe_every must be >= 1")
+        self.run = run
+        self.keyframe_every = keyframe_every
+        self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads,
+                                       key_margin=key_margin)
+        self.chain = Chain(run, storage_options)
+        self._reference: Reference | None = None
+
+    def save(self, step: int, state: Any) -> StepInfo:
+        """Commit ``state`` (anything you would pass to ``torch.save``) as ``step``."""
+        flat = tree.flatten(state)
+        reference, self._reference = self._reference, None
+        manifest, self._reference = self.chain.write(
+            step, flat, reference, settings=self.settings, keyframe_every=self.keyframe_every)
+        return StepInfo.of(manifest)
+
+    def load(self, step: int | None = None, map_location: tree.MapLocation = None, *,
+             trusted: bool = False) -> Any:
+        """The checkpoint at ``step`` (the latest when None); later saves are deltas against it.
+
+        ``trusted=True`` allows unpickling objects outside torch's weights-only allowlist.
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise StepNotFoundError("the run has no steps yet", run=self.run)
+        state, words = self.chain.load(step, map_location=map_location, trusted=trusted)
+        m = self.chain.manifest(step)
+        self._reference = Reference(step, m.depth, words,
+                                    {r.name: r for r in m.records})
+        return state
+
+    def steps(self) -> list[int]:
+        return self.chain.steps()
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def info(self, step: int) -> StepInfo:
+        return StepInfo.of(self.chain.manifest(step))
+
+    def remove(self, step: int) -> None:
+        """Hide ``step``; every other step stays restorable (its bytes go once nothing needs them)."""
+        self.chain.remove(step)
+
+    def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
+        """Free what no visible step needs, keeping this writer's reference."""
+        keep: Iterable[int] = [self._reference.step] if self._reference else []
+        return self.chain.gc(grace_seconds=grace_seconds, keep=keep)
+
+    def verify(self, step: int | None = None) -> list[Problem]:
+        """Hash-check ``step`` (or every visible step); an empty list means all is well."""
+        return self.chain.verify(step)

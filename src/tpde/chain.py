@@ -1,0 +1,424 @@
+"""The chain: which steps exist, what a new step stores against which reference, how a step is
+rebuilt, and what garbage collection may delete.
+
+Layout of a run folder::
+
+    tpde.json                      marks the folder as a tpde run
+    data/<step>-<uuid>.tpd         one blob per step: the compressed sections of its records
+    steps/<step>.json              the manifest; its appearance commits the step
+    removed/<step>                 a tombstone: the step is hidden, its data kept while needed
+
+A step is written blob first, manifest last, so a crash leaves at most an unreferenced blob
+(deleted by ``gc``) and never a visible half step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from . import codec, dtypes, frames, tree
+from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
+                     StepNotFoundError, TPDEError)
+from .manifest import Manifest, Record, SectionRef, content_hash, parse
+from .store import Store
+
+MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
+Progress = Callable[[int], None]
+
+
+def _name(step: int) -> str:
+    return f"{step:020d}"
+
+
+@dataclass
+class Reference:
+    """What the next delta is coded against: the host words of the last saved or loaded step."""
+
+    step: int
+    depth: int
+    words: dict[str, torch.Tensor]
+    records: dict[str, Record]
+
+
+@dataclass
+class GcReport:
+    freed_bytes: int = 0
+    deleted: list[str] = field(default_factory=list)
+    purged_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Problem:
+    step: int
+    tensor: str | None
+    message: str
+
+
+class Chain:
+    """One run in one store."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.store = Store(url, storage_options)
+        self._manifests: dict[int, Manifest] = {}
+
+    # ------------------------------------------------------------------ listing
+    def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
+        out = {}
+        for e in self.store.list(prefix):
+            stem = e.path.rsplit("/", 1)[-1]
+            if suffix:
+                if not stem.endswith(suffix):
+                    continue
+                stem = stem[: -len(suffix)]
+            if stem.isdigit():
+                out[int(stem)] = e.size
+        return out
+
+    def committed(self) -> list[int]:
+        """Every step with a manifest, hidden ones included."""
+        return sorted(self._listed(STEPS, ".json"))
+
+    def hidden(self) -> set[int]:
+        return set(self._listed(REMOVED))
+
+    def steps(self) -> list[int]:
+        """Visible steps, oldest first."""
+        self.store.invalidate()
+        hidden = self.hidden()
+        return [s for s in self.committed() if s not in hidden]
+
+    def is_run(self) -> bool:
+        return self.store.exists(MARKER)
+
+    def require_run(self) -> None:
+        if not self.is_run():
+            raise NotARunError(f"no tpde chain here (no {MARKER}); check the path", run=self.url)
+
+    def manifest(self, step: int) -> Manifest:
+        if step in self._manifests:
+            return self._manifests[step]
+        try:
+            data = self.store.read(f"{STEPS}/{_name(step)}.json")
+        except FileNotFoundError:
+            self.require_run()
+            raise StepNotFoundError("no such committed step; `tpde ls` lists the steps",
+                                    run=self.url, step=step) from None
+        try:
+            m = parse(data, step=step)
+        except TPDEError as exc:
+            raise exc.located(run=self.url, step=step) from None
+        self._manifests[step] = m
+        return m
+
+    # ------------------------------------------------------------------ writing
+    def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
+              settings: codec.Settings, keyframe_every: int,
+              progress: Progress | None = None) -> tuple[Manifest, Reference]:
+        """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
+
+        ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near one
+        copy of the state; callers drop the reference if this raises.
+        """
+        if type(step) is not int or step < 0:
+            raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
+        self._make_room(step)
+        if not self.is_run():
+            self.store.put_atomic(MARKER, json.dumps({"format": "tpde", "version": 1}).encode())
+        started = time.perf_counter()
+        keyframe = reference is None or reference.depth + 1 >= keyframe_every
+        blob_rel = f"{DATA}/{_name(step)}-{uuid.uuid4().hex[:12]}.tpd"
+        writer = self.store.open_write(blob_rel)
+        records: list[Record] = []
+        new_words: dict[str, torch.Tensor] = {}
+
+        def encode(span: tree.Span) -> tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]:
+            dt = dtypes.of_tensor(span.tensor, name=span.name)
+            words = codec.to_words(span.tensor.detach(), dt.word_dtype)
+            host = words.to("cpu", copy=True)
+            ref_words = None if keyframe else reference.words.pop(span.name, None)
+            enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
+            return dt, host, enc, content_hash(host.view(torch.uint8).numpy())
+
+        def commit(span: tree.Span, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]) -> None:
+            dt, host, enc, digest = done
+            sections = {}
+            for sname, sec in enc.sections.items():
+                offset = writer.size
+                for frame in sec.frames:
+                    writer.write(frame)
+                sections[sname] = SectionRef(offset, sec.raw, sec.chunk, sec.table())
+            ref = None
+            if enc.codec == "same":
+                prev = reference.records[span.name]
+                ref = prev.ref if prev.codec == "same" else reference.step
+            elif enc.codec != "key":
+                ref = reference.step
+            rec = Record(span.name, dt.name, span.tensor.numel(), span.device, enc.codec, digest,
+                         ref, enc.residual, enc.count, sections)
+            records.append(rec)
+            new_words[span.name] = host
+            if progress:
+                progress(rec.raw_bytes)
+
+        try:
+            workers = settings.threads or frames.default_threads()
+            with ThreadPoolExecutor(workers, thread_name_prefix="tpde-encode") as pool:
+                pending: deque[tuple[tree.Span, Future]] = deque()
+                for span in flat.spans:
+                    pending.append((span, pool.submit(encode, span)))
+                    if len(pending) > 2 * workers:
+                        done_span, fut = pending.popleft()
+                        commit(done_span, fut.result())
+                while pending:
+                    done_span, fut = pending.popleft()
+                    commit(done_span, fut.result())
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        self_contained = all(r.ref is None for r in records)
+        m = Manifest(
+            step=step, keyframe=self_contained, depth=0 if self_contained else reference.depth + 1,
+            parent=None if self_contained else reference.step, blob=blob_rel,
+            blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
+            records=records,
+        )
+        m.seconds = time.perf_counter() - started
+        data = m.to_bytes()
+        self.store.put_atomic(f"{STEPS}/{_name(step)}.json", data)
+        self._manifests[step] = m = parse(data, step=step)
+        return m, Reference(step, m.depth, new_words, {r.name: r for r in records})
+
+    def _make_room(self, step: int) -> None:
+        """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""
+        if not self.store.exists(f"{STEPS}/{_name(step)}.json"):
+            return
+        if step not in self.hidden():
+            raise StepExistsError("already committed and immutable; save under a new step or "
+                                  "remove() it first", run=self.url, step=step)
+        if step in self.needed():
+            raise StepExistsError("was removed, but later steps still need its data, so the "
+                                  "number cannot be reused yet; save under a new step",
+                                  run=self.url, step=step)
+        self._purge(step, GcReport())
+
+    # ------------------------------------------------------------------ reading
+    def _record(self, step: int, name: str, wanted_by: int) -> Record:
+        try:
+            m = self.manifest(step)
+        except StepNotFoundError:
+            raise CorruptionError(f"step {step}, which this step builds on, is missing; "
+                                  "restore an earlier keyframe or re-save", run=self.url,
+                                  step=wanted_by, tensor=name) from None
+        rec = m.record(name)
+        if rec is None:
+            raise CorruptionError(f"reference step {step} has no record of this tensor",
+                                  run=self.url, step=wanted_by, tensor=name)
+        return rec
+
+    def _lineage(self, name: str, step: int) -> list[tuple[int, Record]]:
+        """The records to decode, keyframe first, to rebuild ``name`` at ``step``."""
+        out: list[tuple[int, Record]] = []
+        at, rec = step, self._record(step, name, step)
+        while True:
+            if rec.codec != "same":
+                out.append((at, rec))
+                if rec.codec == "key":
+                    return out[::-1]
+            at, rec = rec.ref, self._record(rec.ref, name, step)
+
+    def _fetch(self, m: Manifest, recs: list[Record]) -> list[dict[str, bytes]]:
+        """Decompressed sections of ``recs``: one GET of the blob, or range reads for a few."""
+        wanted = [(s.offset, s.offset + s.length) for r in recs for s in r.sections.values()]
+        if not wanted:
+            return [{} for _ in recs]
+        try:
+            if sum(b - a for a, b in wanted) * 2 >= m.blob_size:
+                blob = self.store.read(m.blob)
+                if len(blob) != m.blob_size:
+                    raise CorruptionError(f"blob {m.blob} holds {len(blob)} bytes, the manifest "
+                                          f"says {m.blob_size} (truncated?)", run=self.url,
+                                          step=m.step)
+                view = memoryview(blob)
+                pieces = [view[a:b] for a, b in wanted]
+            else:
+                pieces = [memoryview(p) for p in self.store.read_ranges(m.blob, wanted)]
+        except FileNotFoundError:
+            raise CorruptionError(f"blob {m.blob} is missing", run=self.url, step=m.step) from None
+        out, it = [], iter(pieces)
+        for r in recs:
+            secs = {}
+            for sname, s in r.sections.items():
+                piece, at, fr = next(it), 0, []
+                for n in s.frames:
+                    fr.append(piece[at : at + n])
+                    at += n
+                try:
+                    secs[sname] = frames.decompress(fr, s.raw, s.chunk)
+                except TPDEError as exc:
+                    raise exc.located(run=self.url, step=m.step, tensor=r.name) from None
+            out.append(secs)
+        return out
+
+    def materialize(self, step: int, names: Iterable[str] | None = None, *,
+                    problems: list[Problem] | None = None,
+                    progress: Progress | None = None) -> dict[str, torch.Tensor]:
+        """Host words of ``step``'s records, rebuilt blob by blob and checked against their hashes.
+
+        With ``problems`` given, damaged tensors are reported there and skipped instead of raised.
+        """
+        target = self.manifest(step)
+        wanted = [r for r in target.records if names is None or r.name in set(names)]
+        plan: dict[int, list[Record]] = defaultdict(list)
+        failed: set[str] = set()
+
+        def fail(exc: TPDEError, at: int, name: str) -> None:
+            exc = exc.located(run=self.url, step=at, tensor=name)
+            if problems is None:
+                raise exc
+            problems.append(Problem(exc.step if exc.step is not None else at, name, str(exc)))
+            failed.add(name)
+
+        for rec in wanted:
+            try:
+                for at, r in self._lineage(rec.name, step):
+                    plan[at].append(r)
+            except TPDEError as exc:
+                fail(exc, step, rec.name)
+        current: dict[str, torch.Tensor] = {}
+        for at in sorted(plan):
+            recs = [r for r in plan[at] if r.name not in failed]
+            try:
+                sections = self._fetch(self.manifest(at), recs)
+            except TPDEError as exc:
+                for r in recs:
+                    fail(exc, at, r.name)
+                continue
+            for r, secs in zip(recs, sections):
+                dt = dtypes.by_name(r.dtype)
+                try:
+                    words = codec.decode(r.codec, r.residual, secs, current.get(r.name),
+                                         r.numel * dt.words_per_element, dt.word_dtype, dt.kind)
+                    if content_hash(words.view(torch.uint8).numpy()) != r.hash:
+                        raise CorruptionError("restored bytes do not match the stored hash; the "
+                                              "chain is damaged at this step")
+                except TPDEError as exc:
+                    fail(exc, at, r.name)
+                    continue
+                current[r.name] = words
+                if progress:
+                    progress(r.raw_bytes)
+        result = {}
+        for rec in wanted:
+            if rec.name in failed:
+                continue
+            if rec.hash != self._data_hash(rec, step):
+                fail(CorruptionError("record's hash differs from the data it points to"),
+                     step, rec.name)
+                continue
+            result[rec.name] = current[rec.name]
+        return result
+
+    def _data_hash(self, rec: Record, step: int) -> str:
+        while rec.codec == "same":
+            rec = self._record(rec.ref, rec.name, step)
+        return rec.hash
+
+    def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,
+             progress: Progress | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The checkpoint at ``step`` and the host words it was built from."""
+        m = self.manifest(step)
+        words = self.materialize(step, progress=progress)
+        spans = []
+        for rec in m.records:
+            dt = dtypes.by_name(rec.dtype)
+            t = words[rec.name].view(torch.uint8).view(dt.torch_dtype)
+            spans.append(t.to(tree.resolve_device(rec.device, map_location), copy=True))
+        try:
+            state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")
+        except TPDEError as exc:
+            raise exc.located(run=self.url, step=step) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"skeleton is malformed ({exc})", run=self.url, step=step) from None
+        return state, words
+
+    # ------------------------------------------------------------------ removal and gc
+    def remove(self, step: int) -> None:
+        """Hide ``step``; its data stays while later steps need it."""
+        if step not in self.steps():
+            raise StepNotFoundError("no such visible step to remove", run=self.url, step=step)
+        self.store.put_atomic(f"{REMOVED}/{_name(step)}", b"")
+
+    def needed(self, keep: Iterable[int] = ()) -> set[int]:
+        """Visible steps, ``keep``, and every step their records build on."""
+        committed = set(self.committed())
+        todo = [s for s in {*self.steps(), *keep} if s in committed]
+        seen = set(todo)
+        while todo:
+            for ref in self.manifest(todo.pop()).refs():
+                if ref not in seen:
+                    seen.add(ref)
+                    todo.append(ref)
+        return seen
+
+    def _purge(self, step: int, report: GcReport) -> None:
+        sizes = {e.path: e.size for e in self.store.list(DATA)}
+        try:
+            blob = self.manifest(step).blob
+        except TPDEError:
+            blob = None  # a damaged manifest of an unneeded step: its blob goes as an orphan
+        for rel in (f"{STEPS}/{_name(step)}.json", blob, f"{REMOVED}/{_name(step)}"):
+            if rel:
+                report.freed_bytes += sizes.get(rel, 0)
+                self.store.delete(rel)
+                report.deleted.append(rel)
+        report.purged_steps.append(step)
+        self._manifests.pop(step, None)
+
+    def gc(self, *, grace_seconds: float = 3600.0, keep: Iterable[int] = ()) -> GcReport:
+        """Delete what no visible step needs: hidden steps' data and leftovers of crashed saves.
+
+        Leftovers younger than ``grace_seconds`` are kept, since they may belong to a save in
+        progress in another process.
+        """
+        self.require_run()
+        report = GcReport()
+        needed = self.needed(keep)
+        for step in self.committed():
+            if step not in needed:
+                self._purge(step, report)
+        live = {self.manifest(s).blob for s in needed}
+        now = time.time()
+        for prefix in (DATA, STEPS):
+            for e in self.store.list(prefix):
+                leftover = (prefix == DATA and e.path not in live) or e.path.endswith(".tmp")
+                young = e.mtime is not None and now - e.mtime < grace_seconds
+                if leftover and not young:
+                    self.store.delete(e.path)
+                    report.freed_bytes += e.size
+                    report.deleted.append(e.path)
+        committed = set(self.committed())
+        for step in self.hidden() - committed:
+            self.store.delete(f"{REMOVED}/{_name(step)}")
+            report.deleted.append(f"{REMOVED}/{_name(step)}")
+        return report
+
+    def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[Problem]:
+        """Rebuild and hash-check ``step`` (or every visible step); returns what is damaged."""
+        problems: list[Problem] = []
+        for s in [step] if step is not None else self.steps():
+            try:
+                self.materialize(s, problems=problems, progress=progress)
+            except TPDEError as exc:
+                problems.append(Problem(s, exc.tensor, str(exc.located(run=self.url, step=s))))
+        unique = {(p.step, p.tensor, p.message): p for p in problems}
+        return list(unique.values())

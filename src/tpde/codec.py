@@ -1,0 +1,240 @@
+"""The tensor codec: pure functions from words (and a reference) to compressed sections and back.
+
+A tensor is handled as a flat array of little-endian words (see ``dtypes``).  Against the
+reference words of the previous step the encoder picks the smallest of:
+
+* ``same``   — bit-identical: nothing is stored;
+* ``sparse`` — Elias-delta coded positions of the changed words plus their XOR residuals;
+* ``dense``  — a residual of every word (XOR, or the zigzagged difference of the
+  order-preserving integer images, whichever compresses better);
+* ``key``    — the words themselves, no reference.
+
+Residuals and words are byte-plane shuffled before zstd, because the high bytes of nearby
+floats repeat and the low bytes are noise: grouping them lets zstd find the repetition.
+Nothing here touches a store.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zstandard
+
+from . import elias, frames
+from .errors import FormatError
+
+if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
+    raise ImportError("tpde needs a little-endian host")
+
+CODECS = ("same", "sparse", "dense", "key")
+RESIDUALS = ("xor", "sub")
+#: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
+EXACT_CHOICE_BYTES = 1 << 20
+SAMPLE_WINDOWS, SAMPLE_WORDS = 16, 8192
+
+
+@dataclass
+class Settings:
+    """Encoder knobs; every field has a measured default."""
+
+    level: int = frames.DEFAULT_LEVEL
+    chunk: int = frames.DEFAULT_CHUNK
+    threads: int | None = None
+    #: A delta is used only when it is smaller than this fraction of the keyframe encoding.
+    key_margin: float = 0.9
+    block: int = elias.DEFAULT_BLOCK
+
+
+@dataclass
+class Encoding:
+    codec: str
+    residual: str | None = None
+    count: int = 0
+    sections: dict[str, frames.Section] = field(default_factory=dict)
+
+    @property
+    def stored(self) -> int:
+        return sum(s.stored for s in self.sections.values())
+
+
+# ---------------------------------------------------------------- words, shuffle, residuals
+def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
+    """The tensor's bits as a flat contiguous array of signed words (a copy only if needed)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).view(word_dtype)
+
+
+def shuffle(words: torch.Tensor) -> torch.Tensor:
+    """Byte planes: all first bytes of the words, then all second bytes, and so on."""
+    width = words.element_size()
+    raw = words.view(torch.uint8)
+    return raw if width == 1 else raw.reshape(-1, width).t().contiguous().reshape(-1)
+
+
+def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
+    width = torch.empty(0, dtype=word_dtype).element_size()
+    if planes.numel() % width:
+        raise FormatError("byte planes do not hold a whole number of words")
+    flat = planes if width == 1 else planes.reshape(width, -1).t().contiguous().reshape(-1)
+    return flat.view(word_dtype)
+
+
+def _order(words: torch.Tensor) -> torch.Tensor:
+    """Order-preserving integer image of float bits (an involution)."""
+    bits = words.element_size() * 8
+    return words ^ ((words >> (bits - 1)) & ((1 << (bits - 1)) - 1))
+
+
+def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+    if how == "xor":
+        return new ^ ref
+    bits = new.element_size() * 8
+    if kind == "float":
+        new, ref = _order(new), _order(ref)
+    d = new - ref
+    return (d << 1) ^ (d >> (bits - 1))
+
+
+def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+    if how == "xor":
+        return ref ^ r
+    if how != "sub" or kind == "raw":
+        raise FormatError(f"unknown residual {how!r} for {kind} words")
+    bits = r.element_size() * 8
+    d = ((r >> 1) & ((1 << (bits - 1)) - 1)) ^ -(r & 1)
+    if kind == "float":
+        return _order(_order(ref) + d)
+    return ref + d
+
+
+def residual_kinds(kind: str) -> tuple[str, ...]:
+    return ("xor",) if kind == "raw" else RESIDUALS
+
+
+# ---------------------------------------------------------------- encoding
+def _bytes_of(planes: torch.Tensor) -> memoryview:
+    return memoryview(planes.cpu().numpy()).cast("B")
+
+
+def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
+    if words.is_cuda:
+        from tpde.kernels import nvcomp
+
+        if nvcomp.available():
+            return nvcomp.compress(shuffle(words), level=s.level, chunk=s.chunk)
+    return frames.compress(_bytes_of(shuffle(words)), level=s.level, chunk=s.chunk,
+                           threads=s.threads)
+
+
+def _sample(words: torch.Tensor) -> torch.Tensor:
+    """Evenly spaced windows of ``words``: enough to rank codecs, cheap to compress."""
+    n = words.numel()
+    starts = torch.linspace(0, n - SAMPLE_WORDS, SAMPLE_WINDOWS, dtype=torch.float64).long()
+    idx = (starts[:, None] + torch.arange(SAMPLE_WORDS)[None, :]).reshape(-1)
+    return words[idx.to(words.device)]
+
+
+def _estimate(words: torch.Tensor, level: int) -> float:
+    """Compressed bytes of ``words`` extrapolated from a sample."""
+    if words.numel() <= SAMPLE_WINDOWS * SAMPLE_WORDS:
+        sample = words
+    else:
+        sample = _sample(words)
+    raw = _bytes_of(shuffle(sample))
+    packed = len(zstandard.ZstdCompressor(level=level).compress(raw))
+    return packed * words.numel() / max(1, sample.numel())
+
+
+def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
+           settings: Settings | None = None) -> Encoding:
+    """Encode ``new`` words against ``ref`` words (or as a keyframe when ``ref`` is None)."""
+    s = settings or Settings()
+    if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
+        return Encoding("key", sections={"values": _compress(new, s)})
+    ref = ref.to(new.device, non_blocking=True)
+    changed = new != ref
+    count = int(changed.sum())
+    if count == 0:
+        return Encoding("same")
+
+    n = new.numel()
+    candidates: dict[tuple[str, str | None], object] = {("key", None): lambda: new}
+    for how in residual_kinds(kind):
+        candidates[("dense", how)] = lambda how=how: residual(new, ref, how, kind)
+    positions = None
+    if count <= n // 2:
+        positions = torch.nonzero(changed).reshape(-1)
+        candidates[("sparse", "xor")] = lambda: residual(new[positions], ref[positions], "xor", kind)
+
+    def position_bytes() -> int:
+        return elias.encoded_bits(positions.cpu().numpy()) // 8 + 16 * (count // s.block + 1)
+
+    exact = n * new.element_size() <= EXACT_CHOICE_BYTES
+    sizes: dict[tuple[str, str | None], float] = {}
+    built: dict[tuple[str, str | None], frames.Section] = {}
+    for key, make in candidates.items():
+        if exact:
+            built[key] = _compress(make(), s)
+            sizes[key] = built[key].stored
+        else:
+            sizes[key] = _estimate(make(), s.level)
+        if key[0] == "sparse":
+            sizes[key] += position_bytes()
+
+    best = min((k for k in sizes if k[0] != "key"), key=sizes.__getitem__)
+    if sizes[best] >= s.key_margin * sizes[("key", None)]:
+        best = ("key", None)
+    codec, how = best
+    values = built.get(best) or _compress(candidates[best](), s)
+    enc = Encoding(codec, how, count if codec != "key" else 0, {"values": values})
+    if codec == "sparse":
+        stream = elias.encode(positions.cpu().numpy(), s.block)
+        enc.sections["positions"] = frames.compress(stream, level=1, chunk=s.chunk,
+                                                    threads=s.threads)
+    return enc
+
+
+# ---------------------------------------------------------------- decoding
+def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.Tensor | None,
+           n: int, word_dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """Rebuild ``n`` words from decompressed sections and the reference words."""
+    if codec == "key":
+        words = _words_from(sections, "values", word_dtype)
+        if words.numel() != n:
+            raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
+        return words
+    if ref is None or ref.numel() != n:
+        raise FormatError(f"{codec} record has no usable reference")
+    if codec == "same":
+        return ref
+    r = _words_from(sections, "values", word_dtype).to(ref.device)
+    if codec == "dense":
+        if r.numel() != n:
+            raise FormatError(f"dense residual holds {r.numel()} words where {n} are expected")
+        return apply_residual(ref, r, how or "", kind)
+    if codec == "sparse":
+        if how != "xor":
+            raise FormatError(f"sparse record with residual {how!r}")
+        pos = torch.from_numpy(elias.decode(sections.get("positions", b""), limit=n))
+        if pos.numel() != r.numel():
+            raise FormatError("sparse record has a different number of positions and values")
+        out = ref.clone()
+        pos = pos.to(ref.device)
+        out[pos] = ref[pos] ^ r
+        return out
+    raise FormatError(f"unknown codec {codec!r}")
+
+
+def _words_from(sections: dict[str, bytes], name: str, word_dtype: torch.dtype) -> torch.Tensor:
+    if name not in sections:
+        raise FormatError(f"record lacks its {name!r} section")
+    planes = torch.frombuffer(bytearray(sections[name]), dtype=torch.uint8) \
+        if sections[name] else torch.empty(0, dtype=torch.uint8)
+    return unshuffle(planes, word_dtype)
+
+
+def to_numpy_bytes(words: torch.Tensor) -> np.ndarray:
+    """Host bytes of words, for hashing."""
+    return words.cpu().view(torch.uint8).numpy()

@@ -1,0 +1,228 @@
+"""Elias-delta coding of the sorted positions that changed, with sync points for parallel decode.
+
+Gaps ``g >= 1`` between consecutive positions are coded (the first gap is ``position + 1``):
+``N = floor(log2 g)``, ``L = floor(log2(N + 1))``; ``L`` zero bits, ``N + 1`` in ``L + 1`` bits,
+then the low ``N`` bits of ``g``, MSB first.  Every ``block`` codes a sync point records the bit
+offset of the block's first code and the *base* (last position before the block, plus one), so
+blocks decode independently.  The CPU decoder runs all blocks in lockstep with numpy — the same
+shape of work a GPU kernel does with one thread per block — so no Python loop runs per element.
+
+Stream layout (all little-endian)::
+
+    u64 count | u32 block | u32 reserved (0) | u64 nbits
+    count_sync × (u64 bit_offset, u64 base)       count_sync = ceil(count / block)
+    ceil(nbits / 8) bytes of codes
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .errors import FormatError
+
+HEADER = struct.Struct("<QIIQ")
+DEFAULT_BLOCK = 256
+#: Positions must stay below 2**56 so every suffix fits one 57-bit read.
+MAX_POSITION = (1 << 56) - 1
+_U64 = np.uint64
+
+
+def bit_length(x: np.ndarray) -> np.ndarray:
+    """Exact ``int.bit_length`` for a uint64 array.
+
+    ``frexp`` is exact below 2**53; the rare larger values take an exact shift ladder.
+    """
+    x = np.asarray(x, dtype=_U64)
+    n = np.frexp(x.astype(np.float64))[1].astype(np.int64)
+    big = np.flatnonzero(x >= _U64(1 << 53))
+    if big.size:
+        n[big] = _bit_length_exact(x[big])
+    return n
+
+
+def _bit_length_exact(x: np.ndarray) -> np.ndarray:
+    x = x.astype(_U64, copy=True)
+    n = np.zeros(x.shape, dtype=np.int64)
+    for shift in (32, 16, 8, 4, 2, 1):
+        big = x >= (_U64(1) << _U64(shift))
+        n += big * shift
+        x = np.where(big, x >> _U64(shift), x)
+    return n + (x > 0)
+
+
+def code_lengths(gaps: np.ndarray) -> np.ndarray:
+    """Bits each gap takes: ``2 L + 1 + N``."""
+    n = bit_length(gaps) - 1
+    ell = bit_length((n + 1).astype(_U64)) - 1
+    return 2 * ell + 1 + n
+
+
+def encoded_bits(positions: np.ndarray) -> int:
+    """Exact size in bits of the codes for ``positions``, without building them."""
+    return int(code_lengths(_gaps(positions)).sum())
+
+
+def _gaps(positions: np.ndarray) -> np.ndarray:
+    p = np.asarray(positions, dtype=np.int64)
+    if p.ndim != 1:
+        raise ValueError("positions must be one-dimensional")
+    if p.size == 0:
+        return np.zeros(0, dtype=_U64)
+    if p[0] < 0 or p[-1] > MAX_POSITION:
+        raise ValueError(f"positions must lie in [0, {MAX_POSITION}]")
+    gaps = np.empty(p.size, dtype=np.int64)
+    gaps[0] = p[0] + 1
+    np.subtract(p[1:], p[:-1], out=gaps[1:])
+    if (gaps[1:] <= 0).any():
+        raise ValueError("positions must be strictly increasing")
+    return gaps.view(_U64)
+
+
+def _segment_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    """Indices where a run of equal keys starts in a sorted array."""
+    if sorted_keys.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(([0], np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1))
+
+
+def _pack(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
+    """Concatenate codes of ``lengths`` bits (each in 1..64) MSB-first into bytes."""
+    ends = np.cumsum(lengths)
+    nbits = int(ends[-1]) if ends.size else 0
+    nwords = (nbits + 63) // 64
+    words = np.zeros(nwords + 1, dtype=_U64)
+    if nbits:
+        starts = ends - lengths
+        word = starts >> 6
+        ln = lengths.astype(_U64)
+        room = _U64(64) - (starts & 63).astype(_U64)
+        fits = ln <= room
+        # The part that lands in `word`: left-aligned after the bits already there, or, for a
+        # code that spills into the next word, its top `room` bits.
+        head = np.where(fits, values << ((room - ln) * fits), values >> ((ln - room) * ~fits))
+        seg = _segment_starts(word)
+        words[word[seg]] = np.bitwise_or.reduceat(head, seg)
+        spill = np.flatnonzero(~fits)
+        rest = ln[spill] - room[spill]
+        words[word[spill] + 1] |= values[spill] << (_U64(64) - rest)
+    data = words[:nwords].astype(">u8").tobytes()
+    return data[: (nbits + 7) // 8], nbits
+
+
+def encode(positions: np.ndarray, block: int = DEFAULT_BLOCK) -> bytes:
+    """Code strictly increasing flat positions into a self-describing stream."""
+    if block < 1 or block >= 1 << 32:
+        raise ValueError("block must be in [1, 2**32)")
+    gaps = _gaps(positions)
+    count = gaps.size
+    n = bit_length(gaps) - 1
+    ell = bit_length((n + 1).astype(_U64)) - 1
+    lengths = 2 * ell + 1 + n
+    un = n.astype(_U64)
+    low = gaps & ((_U64(1) << un) - _U64(1))
+    long = np.flatnonzero(lengths > 64)
+    if long.size == 0:
+        code_bits, nbits = _pack(((un + _U64(1)) << un) | low, lengths)
+    else:
+        # Codes longer than 64 bits (gaps >= 2**53) go as two pieces: prefix, then low bits.
+        pieces = np.ones(count, dtype=np.int64)
+        pieces[long] = 2
+        at = np.cumsum(pieces) - pieces
+        values = ((un + _U64(1)) << un) | low
+        plen = lengths.copy()
+        values[long], plen[long] = un[long] + _U64(1), 2 * ell[long] + 1
+        v = np.zeros(int(pieces.sum()), dtype=_U64)
+        ln = np.zeros(v.size, dtype=np.int64)
+        v[at], ln[at] = values, plen
+        v[at[long] + 1], ln[at[long] + 1] = low[long], n[long]
+        code_bits, nbits = _pack(v, ln)
+
+    starts = np.cumsum(lengths) - lengths
+    first = np.arange(0, count, block)
+    p = np.asarray(positions, dtype=np.int64)
+    base = np.where(first > 0, p[np.maximum(first - 1, 0)] + 1, 0)
+    sync = np.stack([starts[first], base], axis=1).astype("<u8")
+    return HEADER.pack(count, block, 0, nbits) + sync.tobytes() + code_bits
+
+
+class _BitReader:
+    """Reads up to 57 bits at arbitrary bit offsets, many offsets at once."""
+
+    def __init__(self, data: bytes) -> None:
+        # Reads may run up to 16 bytes past the last code byte on damaged input; pad for that.
+        padded = np.zeros(len(data) + 24, dtype=np.uint8)
+        padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._padded = padded
+        self._windows = np.ndarray(
+            shape=(len(data) + 16,), dtype=">u8", buffer=padded, strides=(1,)
+        )
+
+    def read(self, offset: np.ndarray, width: np.ndarray) -> np.ndarray:
+        window = self._windows[offset >> 3].astype(_U64)
+        aligned = window << (offset & 7).astype(_U64)
+        w = np.asarray(width, dtype=_U64)
+        return np.where(w > 0, aligned >> (_U64(64) - np.maximum(w, _U64(1))), _U64(0))
+
+
+_LEADING_ZEROS_16 = (16 - bit_length(np.arange(1 << 16, dtype=_U64))).astype(np.int64)
+
+
+def decode(stream: bytes | memoryview, *, limit: int | None = None) -> np.ndarray:
+    """Decode a stream into int64 positions; any inconsistency raises ``FormatError``.
+
+    ``limit`` (the number of elements of the tensor) bounds every position, so a hostile stream
+    cannot make the caller allocate or index outside the tensor.
+    """
+    buf = memoryview(stream).cast("B")
+    if len(buf) < HEADER.size:
+        raise FormatError("position stream is shorter than its header")
+    count, block, _, nbits = HEADER.unpack_from(buf)
+    if block < 1:
+        raise FormatError("position stream has block size 0")
+    if limit is not None and count > limit:
+        raise FormatError(f"position stream claims {count} positions in a tensor of {limit}")
+    nsync = -(-count // block)
+    code_start = HEADER.size + 16 * nsync
+    if len(buf) != code_start + (nbits + 7) // 8 or nbits < count:
+        raise FormatError("position stream length does not match its header")
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    sync = np.frombuffer(buf[HEADER.size : code_start], dtype="<u8").reshape(nsync, 2)
+    offsets = sync[:, 0].astype(np.int64)
+    if (offsets >= nbits).any() or (np.diff(offsets) <= 0).any():
+        raise FormatError("position stream has sync points out of order")
+    bases = sync[:, 1]
+    reader = _BitReader(bytes(buf[code_start:]))
+
+    lanes = np.arange(nsync)
+    sizes = np.minimum(block, count - lanes * block)
+    width = min(block, count)
+    gaps = np.zeros((nsync, width), dtype=_U64)
+    pos = offsets.copy()
+    ends = np.append(offsets[1:], nbits)
+    for i in range(int(sizes.max())):
+        live = lanes[sizes > i] if i >= sizes[-1] else lanes
+        at = pos[live]
+        if (at >= ends[live]).any():
+            raise FormatError("position stream ends inside a code")
+        ell = _LEADING_ZEROS_16[reader.read(at, np.full(at.shape, 16)).astype(np.int64)]
+        if (ell > 6).any():
+            raise FormatError("position stream has an invalid Elias-delta prefix")
+        n = reader.read(at + ell, ell + 1).astype(np.int64) - 1
+        if (n > 56).any():
+            raise FormatError("position stream codes a gap beyond 2**57")
+        low = reader.read(at + 2 * ell + 1, n)
+        gaps[live, i] = (_U64(1) << n.astype(_U64)) | low
+        pos[live] = at + 2 * ell + 1 + n
+    if (pos != ends).any():
+        raise FormatError("position stream blocks do not end at the next sync point")
+
+    total = np.cumsum(gaps, axis=1, dtype=_U64) + bases[:, None] - _U64(1)
+    out = total[np.arange(width)[None, :] < sizes[:, None]].astype(np.int64)
+    if (out < 0).any() or (np.diff(out) <= 0).any() or (bases[1:] != out[lanes[1:] * block - 1] + 1).any():
+        raise FormatError("position stream decodes to positions that are not increasing")
+    if limit is not None and out[-1] >= limit:
+        raise FormatError(f"position stream points past the end of a tensor of {limit} elements")
+    return out

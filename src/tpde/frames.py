@@ -1,0 +1,108 @@
+"""Chunked Zstandard: a byte stream cut into fixed-size chunks, each a standard zstd frame.
+
+Independent frames are what let the CPU (zstandard's multi-threaded batch API) and the GPU
+(nvCOMP's batched zstd in RAW mode) compress and decompress many chunks at once, and what let
+either side read frames the other wrote.  The chunk table (compressed size of every frame) is
+kept by the caller; raw chunk sizes follow from the chunk size and the total.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+import zstandard
+
+from .errors import FormatError
+
+DEFAULT_CHUNK = 256 * 1024
+MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
+DEFAULT_LEVEL = 3
+
+
+def default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class Section:
+    """One compressed stream: its raw size, its raw chunk size and its frames."""
+
+    raw: int
+    chunk: int
+    frames: tuple[bytes, ...]
+
+    @property
+    def stored(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+    def table(self) -> list[int]:
+        return [len(f) for f in self.frames]
+
+
+def raw_sizes(raw: int, chunk: int) -> list[int]:
+    """Raw size of every chunk of a stream of ``raw`` bytes."""
+    full, rest = divmod(raw, chunk)
+    return [chunk] * full + ([rest] if rest else [])
+
+
+def compress(data: memoryview | bytes, *, level: int = DEFAULT_LEVEL, chunk: int = DEFAULT_CHUNK,
+             threads: int | None = None) -> Section:
+    """Compress ``data`` chunk by chunk on the CPU."""
+    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise ValueError(f"chunk must be in [{MIN_CHUNK}, {MAX_CHUNK}] bytes")
+    view = memoryview(data).cast("B")
+    pieces = [view[i : i + chunk] for i in range(0, len(view), chunk)]
+    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    if len(pieces) <= 1:
+        frames = tuple(cctx.compress(p) for p in pieces)
+    else:
+        out = cctx.multi_compress_to_buffer(
+            [bytes(p) for p in pieces], threads=threads or default_threads()
+        )
+        frames = tuple(seg.tobytes() for seg in out)
+    return Section(len(view), chunk, frames)
+
+
+def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
+    """Reject a chunk table that is inconsistent or larger than ``limit`` raw bytes."""
+    if raw < 0 or raw > limit:
+        raise FormatError(f"stream claims {raw} raw bytes where at most {limit} are possible")
+    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise FormatError(f"chunk size {chunk} is outside [{MIN_CHUNK}, {MAX_CHUNK}]")
+    if len(table) != len(raw_sizes(raw, chunk)) or any(n <= 0 for n in table):
+        raise FormatError("chunk table does not match the stream's raw size")
+
+
+def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
+               threads: int | None = None) -> bytes:
+    """Decompress frames back to one stream of exactly ``raw`` bytes.
+
+    The expected size of every chunk is passed to zstd, so a frame that claims or produces more
+    is refused before anything large is allocated.
+    """
+    sizes = raw_sizes(raw, chunk)
+    if len(sizes) != len(frames):
+        raise FormatError("chunk count does not match the stream's raw size")
+    if not frames:
+        return b""
+    dctx = zstandard.ZstdDecompressor()
+    try:
+        declared = [zstandard.get_frame_parameters(f).content_size for f in frames]
+        for d, size in zip(declared, sizes):
+            if d not in (size, zstandard.CONTENTSIZE_UNKNOWN):
+                raise FormatError(f"zstd frame declares {d} bytes where {size} are expected")
+        if len(frames) > 1 and zstandard.CONTENTSIZE_UNKNOWN not in declared:
+            batch = dctx.multi_decompress_to_buffer(
+                [bytes(f) for f in frames], threads=threads or default_threads(),
+                decompressed_sizes=struct.pack(f"={len(sizes)}Q", *sizes))
+            out = [seg.tobytes() for seg in batch]
+        else:
+            # Frames that do not declare their size (some GPU encoders omit it) are bounded too.
+            out = [dctx.decompress(f, max_output_size=n) for f, n in zip(frames, sizes)]
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
+    if [len(o) for o in out] != sizes:
+        raise FormatError("a zstd frame decoded to the wrong number of bytes")
+    return out[0] if len(out) == 1 else b"".join(out)

@@ -1,0 +1,193 @@
+"""The step manifest: the small JSON object whose appearance commits a step.
+
+It is compact JSON (keys in insertion order, which the checkpoint's own dicts need) carrying a BLAKE2b digest of its own body, so a
+flipped bit anywhere in it is detected; tensor bytes are covered by each record's hash of the
+restored words.  ``parse`` validates every field before anything is allocated from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from . import codec, dtypes, frames
+from .errors import FormatError
+
+FORMAT = 1
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MAX_ELEMENTS = 1 << 48
+DIGEST_SIZE = 16
+
+
+def content_hash(data: memoryview | bytes) -> str:
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
+
+
+@dataclass
+class SectionRef:
+    offset: int  # in the step's blob
+    raw: int
+    chunk: int
+    frames: list[int]  # compressed size of every frame
+
+    @property
+    def length(self) -> int:
+        return sum(self.frames)
+
+
+@dataclass
+class Record:
+    """One stored span: what it is, how it was coded, where its bytes are."""
+
+    name: str
+    dtype: str
+    numel: int
+    device: str
+    codec: str
+    hash: str
+    ref: int | None = None
+    residual: str | None = None
+    count: int = 0
+    sections: dict[str, SectionRef] = field(default_factory=dict)
+
+    @property
+    def raw_bytes(self) -> int:
+        return self.numel * dtypes.by_name(self.dtype).itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(s.length for s in self.sections.values())
+
+    @property
+    def density(self) -> float:
+        """Fraction of words that changed against the reference (1 for a keyframe record)."""
+        if self.codec == "key":
+            return 1.0
+        words = self.numel * dtypes.by_name(self.dtype).words_per_element
+        return self.count / words if words else 0.0
+
+
+@dataclass
+class Manifest:
+    step: int
+    keyframe: bool
+    depth: int  # delta steps since the keyframe this step builds on
+    parent: int | None  # the reference step of the deltas, if any
+    blob: str | None
+    blob_size: int
+    created: float
+    seconds: float
+    skeleton: Any
+    records: list[Record]
+    format: int = FORMAT
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(r.raw_bytes for r in self.records)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.blob_size
+
+    def refs(self) -> set[int]:
+        return {r.ref for r in self.records if r.ref is not None}
+
+    def record(self, name: str) -> Record | None:
+        return self._by_name().get(name)
+
+    def _by_name(self) -> dict[str, Record]:
+        cache = self.__dict__.get("_names")
+        if cache is None:
+            cache = self.__dict__["_names"] = {r.name: r for r in self.records}
+        return cache
+
+    def to_bytes(self) -> bytes:
+        body = asdict(self)
+        canon = _canonical(body)
+        return _canonical({"body": body, "blake2b": content_hash(canon)})
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse(data: bytes, *, step: int | None = None) -> Manifest:
+    """Parse and check a manifest; anything malformed raises ``FormatError``."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"manifest is {len(data)} bytes, above the {MAX_MANIFEST_BYTES} cap",
+                          step=step)
+    try:
+        outer = json.loads(data)
+        body, digest = outer["body"], outer["blake2b"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise FormatError("manifest is not valid tpde JSON (truncated or damaged)", step=step) from None
+    if content_hash(_canonical(body)) != digest:
+        raise FormatError("manifest digest does not match its content (damaged)", step=step)
+    try:
+        return _build(body, step)
+    except FormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"manifest has a missing or ill-typed field ({exc})", step=step) from None
+
+
+def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise ValueError(f"expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _build(b: dict[str, Any], step: int | None) -> Manifest:
+    if _int(b["format"]) > FORMAT:
+        raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
+                          "upgrade tpde to read it", step=step)
+    m = Manifest(
+        step=_int(b["step"]), keyframe=bool(b["keyframe"]), depth=_int(b["depth"]),
+        parent=None if b["parent"] is None else _int(b["parent"]),
+        blob=None if b["blob"] is None else str(b["blob"]), blob_size=_int(b["blob_size"]),
+        created=float(b["created"]), seconds=float(b["seconds"]), skeleton=b["skeleton"],
+        records=[_record(r, b) for r in b["records"]], format=b["format"],
+    )
+    if step is not None and m.step != step:
+        raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)
+    if len({r.name for r in m.records}) != len(m.records):
+        raise FormatError("manifest names a tensor twice", step=m.step)
+    return m
+
+
+def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
+    dt = dtypes.by_name(r["dtype"])
+    rec = Record(
+        name=str(r["name"]), dtype=dt.name, numel=_int(r["numel"], 0, MAX_ELEMENTS),
+        device=str(r["device"]), codec=str(r["codec"]), hash=str(r["hash"]),
+        ref=None if r["ref"] is None else _int(r["ref"]),
+        residual=None if r["residual"] is None else str(r["residual"]),
+        count=_int(r["count"], 0, MAX_ELEMENTS),
+        sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
+                                [_int(n, 1) for n in s["frames"]])
+                  for k, s in r["sections"].items()},
+    )
+    words = rec.numel * dt.words_per_element
+    if rec.codec not in codec.CODECS or rec.residual not in (None, *codec.RESIDUALS):
+        raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
+    if (rec.ref is None) != (rec.codec == "key") or (rec.ref is not None and rec.ref >= b["step"]):
+        raise FormatError("record's reference step is missing or not earlier", tensor=rec.name)
+    if rec.count > words:
+        raise FormatError("record claims more changed words than it has", tensor=rec.name)
+    expected = {"key": {"values": words}, "dense": {"values": words}, "same": {},
+                "sparse": {"values": rec.count, "positions": None}}[rec.codec]
+    if set(rec.sections) != set(expected):
+        raise FormatError(f"{rec.codec} record has sections {sorted(rec.sections)}",
+                          tensor=rec.name)
+    for name, sec in rec.sections.items():
+        limit = expected[name] * dt.word_bytes if expected[name] is not None \
+            else 64 + 32 * rec.count
+        frames.check_table(sec.raw, sec.chunk, sec.frames, limit=limit)
+        if expected[name] is not None and sec.raw != limit:
+            raise FormatError(f"section {name!r} holds {sec.raw} bytes, expected {limit}",
+                              tensor=rec.name)
+        if sec.offset + sec.length > b["blob_size"]:
+            raise FormatError(f"section {name!r} lies outside the step's blob", tensor=rec.name)
+    return rec

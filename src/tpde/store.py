@@ -1,0 +1,196 @@
+"""Bytes in and out of any fsspec location; the only module that does I/O.
+
+Commit semantics come from here: ``put_atomic`` makes an object appear whole or not at all (a
+rename on local disk after fsync, a single PUT on object stores, which are atomic per object).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Iterator
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import StoreError
+
+_INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # relative to the store root
+    size: int
+    mtime: float | None
+
+
+class Store:
+    """A run's root folder in an fsspec filesystem."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as exc:
+            proto = url.split("://", 1)[0]
+            pkg = _INSTALL_HINT.get(proto, f"the fsspec backend for {proto}://")
+            raise StoreError(f"cannot open {url!r}: install {pkg} ({exc})") from None
+        self.root = self.root.rstrip("/")
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def _abs(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if self.root else rel
+
+    def _rel(self, path: str) -> str:
+        path = path.rstrip("/")
+        prefix = self.fs._strip_protocol(self.root).rstrip("/") + "/"
+        stripped = self.fs._strip_protocol(path)
+        return stripped[len(prefix):] if stripped.startswith(prefix) else stripped
+
+    # ------------------------------------------------------------------ writes
+    def put_atomic(self, rel: str, data: bytes) -> None:
+        """Write ``data`` so that readers see the whole object or none of it."""
+        path = self._abs(rel)
+        try:
+            if self.local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(os.path.dirname(path))
+            else:
+                self.fs.pipe_file(path, data)
+        except OSError as exc:
+            raise StoreError(f"cannot write {self.url}/{rel}: {exc}") from exc
+
+    def open_write(self, rel: str) -> "BlobWriter":
+        """A streaming writer for a new, not yet committed object."""
+        return BlobWriter(self, rel)
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.rm_file(self._abs(rel))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"cannot delete {self.url}/{rel}: {exc}") from exc
+
+    # ------------------------------------------------------------------ reads
+    def read(self, rel: str) -> bytes:
+        try:
+            return self.fs.cat_file(self._abs(rel))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StoreError(f"cannot read {self.url}/{rel}: {exc}") from exc
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Several ``[start, end)`` ranges of one object, fetched concurrently where possible."""
+        if not ranges:
+            return []
+        path = self._abs(rel)
+        try:
+            out = self.fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges],
+                                     [b for _, b in ranges], on_error="raise")
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StoreError(f"cannot read {self.url}/{rel}: {exc}") from exc
+        for data, (a, b) in zip(out, ranges):
+            if isinstance(data, Exception):
+                raise StoreError(f"cannot read {self.url}/{rel}: {data}")
+            if len(data) != b - a:
+                raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
+                                 f"(range {a}-{b} gave {len(data)} bytes)")
+        return list(out)
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._abs(rel)))
+
+    def list(self, prefix: str) -> Iterator[Entry]:
+        """Objects under ``prefix`` (one level), with sizes and modification times."""
+        try:
+            items = self.fs.ls(self._abs(prefix), detail=True)
+        except FileNotFoundError:
+            return
+        for item in items:
+            if item.get("type") == "directory":
+                continue
+            yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item))
+
+    def invalidate(self) -> None:
+        """Forget cached listings so another writer's new objects are seen."""
+        self.fs.invalidate_cache()
+
+
+def _mtime(item: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "created", "last_modified", "updated"):
+        value = item.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobWriter:
+    """Appends bytes to a new object and reports offsets, so records can point into it."""
+
+    def __init__(self, store: Store, rel: str) -> None:
+        self.store, self.rel, self.size = store, rel, 0
+        path = store._abs(rel)
+        try:
+            if store.local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._f: BinaryIO = open(path, "wb")
+            else:
+                self._f = store.fs.open(path, "wb")
+        except OSError as exc:
+            raise StoreError(f"cannot create {store.url}/{rel}: {exc}") from exc
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Append ``data``; returns the offset it starts at."""
+        at = self.size
+        try:
+            self._f.write(data)
+        except OSError as exc:
+            raise StoreError(f"cannot write {self.store.url}/{self.rel}: {exc}") from exc
+        self.size += len(data)
+        return at
+
+    def close(self) -> None:
+        """Make the bytes durable (fsync locally; the final multipart PUT on object stores)."""
+        try:
+            if self.store.local:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+        except OSError as exc:
+            raise StoreError(f"cannot finish {self.store.url}/{self.rel}: {exc}") from exc
+
+    def abort(self) -> None:
+        try:
+            self._f.close()
+        except Exception:  # the write already failed; the object is garbage either way
+            pass
+        self.store.delete(self.rel)

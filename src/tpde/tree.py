@@ -1,0 +1,247 @@
+"""Split a checkpoint into a JSON skeleton and the tensor storage spans it refers to, and back.
+
+The skeleton keeps every non-tensor value as plain JSON with a few tagged forms (tuples,
+non-string keys, OrderedDicts, dtypes, ...).  Tensors become references to *spans*: one
+stored span per shared storage, so two names that share memory (tied weights, views) are stored
+once and come back sharing memory, with their shapes, strides and offsets, as ``torch.save`` does.
+Values the skeleton cannot express are kept as ``torch.save`` bytes and read back with
+``torch.load(weights_only=True)``: restoring never runs code from the store unless asked to.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import dtypes
+from .errors import FormatError, UnsafeContentError
+
+MapLocation = str | torch.device | dict[str, str] | Callable[[str], str] | None
+
+
+@dataclass
+class Span:
+    """A flat run of one storage's elements that the checkpoint's tensors view."""
+
+    name: str
+    tensor: torch.Tensor  # 1-D, the elements in storage order
+    device: str
+
+
+@dataclass
+class Flat:
+    skeleton: Any
+    spans: list[Span] = field(default_factory=list)
+
+
+def _escape(key: str) -> str:
+    return key.replace("%", "%25").replace("/", "%2F")
+
+
+def _storable(t: torch.Tensor) -> bool:
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and t.device.type != "meta"
+        and t.dtype in dtypes.BY_TORCH
+    )
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) storage elements a strided tensor touches."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def flatten(state: Any) -> Flat:
+    """Split ``state`` into a skeleton and spans; raises nothing for unusual values."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor) and _storable(obj):
+            tensors.append((path, obj))
+            return {"$t": len(tensors) - 1}
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if type(obj) is int:
+            return obj
+        if type(obj) is float:
+            return obj if math.isfinite(obj) else {"$f": repr(obj)}
+        if type(obj) is complex:
+            return {"$c": [walk(obj.real, path), walk(obj.imag, path)]}
+        if type(obj) is bytes:
+            return {"$b": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype) and obj in dtypes.BY_TORCH:
+            return {"$dtype": dtypes.BY_TORCH[obj].name}
+        if type(obj) is torch.Size:
+            return {"$size": list(obj)}
+        if type(obj) is torch.device:
+            return {"$device": str(obj)}
+        if type(obj) is list:
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return {"$tuple": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
+        if type(obj) in (dict, OrderedDict):
+            items = [(k, walk(v, f"{path}/{_escape(str(k))}")) for k, v in obj.items()]
+            if type(obj) is dict and all(type(k) is str and not k.startswith("$") for k, _ in items):
+                return dict(items)
+            out: dict[str, Any] = {"$dict": [[walk(k, path), v] for k, v in items]}
+            if type(obj) is OrderedDict:
+                out["ordered"] = True
+                meta = getattr(obj, "_metadata", None)
+                if meta is not None:
+                    out["meta"] = walk(meta, f"{path}/_metadata")
+            return out
+        return {"$pickle": _pickle(obj)}
+
+    skeleton = walk(state, "")
+    spans, views = _group(tensors)
+
+    def fill(node: Any) -> Any:
+        if isinstance(node, dict):
+            if set(node) == {"$t"}:
+                return views[node["$t"]]
+            return {k: fill(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v) for v in node]
+        return node
+
+    return Flat(fill(skeleton), spans)
+
+
+def _pickle(obj: Any) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _group(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Span], dict[int, dict]]:
+    """Give every tensor leaf a span: one per storage (and dtype) it lives in."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, t) in enumerate(tensors):
+        ptr = t.untyped_storage().data_ptr()
+        key = (str(t.device), ptr, t.dtype) if ptr else ("alone", i)
+        groups.setdefault(key, []).append(i)
+
+    views: dict[int, dict[str, Any]] = {}
+    spans: list[Span] = []
+    for members in groups.values():
+        extents = [_extent(tensors[i][1]) for i in members]
+        lo = min(a for a, _ in extents)
+        hi = max(b for _, b in extents)
+        first = tensors[members[0]][1].detach()
+        span = first.as_strided((hi - lo,), (1,), lo)
+        spans.append(Span(tensors[members[0]][0].lstrip("/") or "<root>", span, str(first.device)))
+        for i in members:
+            t = tensors[i][1]
+            views[i] = {
+                "$t": len(spans) - 1,
+                "shape": list(t.shape),
+                "stride": list(t.stride()),
+                "offset": t.storage_offset() - lo,
+                "param": isinstance(t, torch.nn.Parameter),
+                "grad": bool(t.requires_grad),
+            }
+    return spans, views
+
+
+def resolve_device(device: str, map_location: MapLocation) -> torch.device:
+    if map_location is None:
+        return torch.device(device)
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    if isinstance(map_location, dict):
+        return torch.device(map_location.get(device, device))
+    return torch.device(map_location(device))
+
+
+def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False,
+              where: str = "") -> Any:
+    """Rebuild the checkpoint from its skeleton and restored span tensors."""
+    made: dict[tuple, torch.Tensor] = {}
+
+    def view(node: dict[str, Any]) -> torch.Tensor:
+        i = node["$t"]
+        if not isinstance(i, int) or not 0 <= i < len(spans):
+            raise FormatError(f"skeleton refers to span {i!r} of {len(spans)}")
+        key = (i, tuple(node["shape"]), tuple(node["stride"]), node["offset"])
+        if key in made:
+            return made[key]
+        base = spans[i]
+        try:
+            t = base.as_strided(node["shape"], node["stride"], node["offset"])
+            if _extent(t)[1] > base.numel() or node["offset"] < 0:
+                raise ValueError
+        except (RuntimeError, ValueError, TypeError):
+            raise FormatError(f"skeleton view {key[1:]} does not fit its span") from None
+        if node.get("param"):
+            t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
+        elif node.get("grad") and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        made[key] = t
+        return t
+
+    def build(node: Any) -> Any:
+        if isinstance(node, list):
+            return [build(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if "$t" in node:
+            return view(node)
+        if "$f" in node:
+            return float(node["$f"])
+        if "$c" in node:
+            return complex(*node["$c"])
+        if "$b" in node:
+            return base64.b64decode(node["$b"])
+        if "$dtype" in node:
+            return dtypes.by_name(node["$dtype"]).torch_dtype
+        if "$size" in node:
+            return torch.Size(node["$size"])
+        if "$device" in node:
+            return torch.device(node["$device"])
+        if "$tuple" in node:
+            return tuple(build(v) for v in node["$tuple"])
+        if "$dict" in node:
+            pairs = [(_hashable(build(k)), build(v)) for k, v in node["$dict"]]
+            if not node.get("ordered"):
+                return dict(pairs)
+            od = OrderedDict(pairs)
+            if "meta" in node:
+                od._metadata = build(node["meta"])  # type: ignore[attr-defined]
+            return od
+        if "$pickle" in node:
+            return _unpickle(node["$pickle"], trusted, where)
+        return {k: build(v) for k, v in node.items()}
+
+    return build(skeleton)
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    return key
+
+
+def _unpickle(data: str, trusted: bool, where: str) -> Any:
+    raw = io.BytesIO(base64.b64decode(data))
+    try:
+        return torch.load(raw, weights_only=not trusted, map_location="cpu")
+    except Exception as exc:  # torch raises UnpicklingError or RuntimeError here
+        if trusted:
+            raise FormatError(f"{where}: a stored Python object cannot be read: {exc}") from None
+        raise UnsafeContentError(
+            f"{where}: restoring needs to unpickle an object outside torch's weights-only "
+            f"allowlist ({str(exc).splitlines()[0][:200]}). If you trust this chain, pass "
+            "trusted=True (CLI: --trusted), or allowlist the type with "
+            "torch.serialization.add_safe_globals."
+        ) from None
