@@ -341,8 +341,9 @@ class Chain:
         spans = []
         for rec in m.records:
             dt = dtypes.by_name(rec.dtype)
-            t = words[rec.name].view(torch.uint8).view(dt.torch_dtype)
-            spans.append(t.to(tree.resolve_device(rec.device, map_location), copy=True))
+            # Copy as bytes, then view: some dtypes (int1..int7) have no copy kernel of their own.
+            data = words[rec.name].to(tree.resolve_device(rec.device, map_location), copy=True)
+            spans.append(data.view(torch.uint8).view(dt.torch_dtype))
         try:
             state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")
         except TPDEError as exc:

@@ -66,6 +66,8 @@ _SPECS: list[tuple[str, str, int, int, WordKind]] = [
     ("bits1x8", "bits1x8", 1, 1, "raw"),
     ("bits2x4", "bits2x4", 1, 1, "raw"),
     ("bits4x2", "bits4x2", 1, 1, "raw"),
+    *[(f"int{b}", f"int{b}", 1, 1, "raw") for b in range(1, 8)],
+    *[(f"uint{b}", f"uint{b}", 1, 1, "raw") for b in range(1, 8)],
 ]
 
 BY_NAME: dict[str, DType] = {}

@@ -173,7 +173,8 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
         i = node["$t"]
         if not isinstance(i, int) or not 0 <= i < len(spans):
             raise FormatError(f"skeleton refers to span {i!r} of {len(spans)}")
-        key = (i, tuple(node["shape"]), tuple(node["stride"]), node["offset"])
+        key = (i, tuple(node["shape"]), tuple(node["stride"]), node["offset"],
+               bool(node.get("param")), bool(node.get("grad")))
         if key in made:
             return made[key]
         base = spans[i]
@@ -182,7 +183,7 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
             if _extent(t)[1] > base.numel() or node["offset"] < 0:
                 raise ValueError
         except (RuntimeError, ValueError, TypeError):
-            raise FormatError(f"skeleton view {key[1:]} does not fit its span") from None
+            raise FormatError(f"skeleton view {key[1:4]} does not fit its span") from None
         if node.get("param"):
             t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
         elif node.get("grad") and (t.is_floating_point() or t.is_complex()):

@@ -1,0 +1,58 @@
+"""Shared fixtures: hypothesis profiles, a real S3-protocol server (moto) and store URLs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+                          max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+    os.environ.setdefault(var, value)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict[str, Any]]:
+    """moto's S3 server on 127.0.0.1 with one bucket; yields fsspec storage options."""
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="tpde")
+    options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    yield {"endpoint": endpoint, "options": options}
+    server.stop()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> tuple[str, dict[str, Any] | None]:
+    """A fresh run location in each kind of store, with its storage options."""
+    run = uuid.uuid4().hex[:10]
+    if request.param == "local":
+        return str(tmp_path / run), None
+    if request.param == "memory":
+        return f"memory://tpde-tests/{run}", None
+    server = request.getfixturevalue("s3_server")
+    return f"s3://tpde/{run}", server["options"]

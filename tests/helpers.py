@@ -1,0 +1,36 @@
+"""Structural, bit-exact comparison of checkpoints (types, key order, strides, ties)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), path
+        assert a.requires_grad == b.requires_grad, path
+        assert torch.equal(_bits(a), _bits(b)), f"{path}: values differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), path
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def training_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}

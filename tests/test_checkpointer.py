@@ -1,0 +1,228 @@
+"""Checkpointer over real stores: local files, memory://, and S3 through a moto server."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tpde
+from helpers import assert_same
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
+
+
+def odd_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    emb = torch.nn.Parameter(torch.randn(10, 4, generator=g))
+    x = torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last)
+    sd = OrderedDict(weight=emb.detach(), tied=emb.detach())
+    sd._metadata = {"": {"version": 1}}
+    return {
+        "sd": sd, "param": emb, "x": x, "slice": x[:, 1:], "t": x.transpose(0, 1),
+        "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 3), "bf16": torch.ones(3).bfloat16(),
+        "fp8": torch.ones(4).to(torch.float8_e4m3fn), "c": torch.randn(3, dtype=torch.complex64),
+        "b": torch.tensor([True, False]), "u16": torch.arange(5).to(torch.uint16),
+        "opt": {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": [0]}]},
+        "meta": {"epoch": 3, "nan": float("nan"), "inf": float("-inf"), "bytes": b"\x00\x01",
+                 "dtype": torch.bfloat16, "size": torch.Size([2, 3]), "none": None, "$odd": 1,
+                 "tuple": (1, "a", 2.5), 7: "int key", "set": {1, 2}, "cplx": 1 + 2j},
+    }
+
+
+def test_every_kind_of_value_round_trips(store_url) -> None:
+    url, opts = store_url
+    state = odd_state()
+    ck = tpde.Checkpointer(url, storage_options=opts)
+    ck.save(0, state)
+    out = tpde.Checkpointer(url, storage_options=opts).load(0)
+    assert_same(state, out)
+    assert out["sd"]["weight"].data_ptr() == out["sd"]["tied"].data_ptr()
+    assert out["slice"].untyped_storage().data_ptr() == out["x"].untyped_storage().data_ptr()
+    assert isinstance(out["param"], torch.nn.Parameter)
+
+
+def test_tied_tensors_are_stored_once(tmp_path) -> None:
+    w = torch.randn(1000, 100)
+    info = tpde.Checkpointer(str(tmp_path / "r")).save(0, {"a": w, "b": w, "view": w[10:20]})
+    assert info.raw_bytes == w.numel() * 4
+
+
+class Unknown:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+
+def test_loading_never_unpickles_unknown_objects_unless_trusted(tmp_path) -> None:
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(0, {"obj": Unknown(5), "w": torch.ones(2)})
+    with pytest.raises(tpde.UnsafeContentError, match="trusted=True"):
+        ck.load(0)
+    assert ck.load(0, trusted=True)["obj"].v == 5
+
+
+def test_quantized_and_sparse_tensors_are_kept_whole(tmp_path) -> None:
+    q = torch.quantize_per_tensor(torch.randn(8), 0.1, 0, torch.qint8)
+    s = torch.randn(4, 4).to_sparse()
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(0, {"q": q, "s": s})
+    out = ck.load(0)
+    assert torch.equal(out["q"].int_repr(), q.int_repr()) and torch.equal(out["s"].to_dense(), s.to_dense())
+
+
+def train_states(steps: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        opt.step()
+        yield step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+
+def test_chain_restores_every_step_and_keyframes_bound_depth(store_url) -> None:
+    url, opts = store_url
+    ck = tpde.Checkpointer(url, keyframe_every=3, storage_options=opts)
+    saved = {}
+    for step, state in train_states(7):
+        saved[step] = copy.deepcopy(state)
+        info = ck.save(step, state)
+        assert info.keyframe == (step % 3 == 0)
+    reader = tpde.Checkpointer(url, storage_options=opts)
+    assert reader.steps() == list(range(7))
+    for step, state in saved.items():
+        assert_same(state, reader.load(step))
+    assert reader.verify() == []
+
+
+def test_resumed_writer_continues_with_a_delta(store_url) -> None:
+    url, opts = store_url
+    states = dict(train_states(3))
+    tpde.Checkpointer(url, storage_options=opts).save(0, states[0])
+    resumed = tpde.Checkpointer(url, storage_options=opts)
+    resumed.load()
+    info = resumed.save(1, {"model": states[0]["model"], "optimizer": states[0]["optimizer"], "step": 0})
+    assert not info.keyframe and info.codecs.get("same", 0) > 0
+    assert resumed.chain.manifest(1).parent == 0
+    fresh = tpde.Checkpointer(url, storage_options=opts)
+    assert fresh.save(2, states[2]).keyframe  # no load(): nothing to code against
+
+
+def test_committed_steps_are_immutable(tmp_path) -> None:
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(1, {"w": torch.ones(3)})
+    with pytest.raises(tpde.StepExistsError):
+        ck.save(1, {"w": torch.zeros(3)})
+    with pytest.raises(tpde.StepNotFoundError):
+        ck.load(2)
+    with pytest.raises(tpde.NotARunError):
+        tpde.Checkpointer(str(tmp_path / "nothing")).load(0)
+
+
+@settings(max_examples=8)
+@given(st.lists(st.tuples(st.sampled_from(["sparse", "dense", "frozen", "remove", "gc"]),
+                          st.integers(0, 2**16)), min_size=20, max_size=20),
+       st.integers(1, 6))
+def test_twenty_step_chains_with_updates_removals_and_keyframes(tmp_path_factory, ops, every) -> None:
+    url = f"memory://tpde-prop/{os.urandom(6).hex()}"
+    ck = tpde.Checkpointer(url, keyframe_every=every)
+    g = torch.Generator().manual_seed(len(ops))
+    state = {"w": torch.randn(64, 64, generator=g).bfloat16(), "f": torch.randn(500, generator=g),
+             "i": torch.arange(100), "n": 0}
+    expected: dict[int, dict] = {}
+    for step, (op, seed) in enumerate(ops):
+        g.manual_seed(seed)
+        if op == "sparse":
+            idx = torch.randint(0, 4096, (40,), generator=g)
+            state["w"].view(-1)[idx] += 1
+        elif op == "dense":
+            state["f"] += 1e-3 * torch.randn(500, generator=g)
+        elif op == "remove" and expected:
+            victim = sorted(expected)[seed % len(expected)]
+            ck.remove(victim)
+            del expected[victim]
+        elif op == "gc" and expected:
+            ck.gc(grace_seconds=0)
+        state["n"] = step
+        ck.save(step, state)
+        expected[step] = copy.deepcopy(state)
+    reader = tpde.Checkpointer(url)
+    assert reader.steps() == sorted(expected)
+    for step, st_ in expected.items():
+        assert_same(st_, reader.load(step))
+    ck.gc(grace_seconds=0)
+    for step, st_ in expected.items():
+        assert_same(st_, tpde.Checkpointer(url).load(step))
+
+
+def sparse_states(steps: int):
+    """bf16 weights with a few updates per step: every non-keyframe step is a real delta."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(128, 128, generator=g).bfloat16()
+    for step in range(steps):
+        w.view(-1)[torch.randint(0, w.numel(), (50,), generator=g)] += 1
+        yield step, {"w": w, "step": step}
+
+
+def test_remove_hides_and_gc_frees_only_unneeded_data(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    ck = tpde.Checkpointer(url, keyframe_every=2)
+    states = {}
+    for step, state in sparse_states(4):
+        states[step] = copy.deepcopy(state)
+        assert ck.save(step, state).keyframe == (step % 2 == 0)
+    ck.remove(0)  # step 1 is a delta against 0: its data must stay
+    assert ck.gc(grace_seconds=0).purged_steps == []
+    assert_same(states[1], tpde.Checkpointer(url).load(1))
+    ck.remove(1)
+    report = ck.gc(grace_seconds=0)
+    assert report.purged_steps == [0, 1] and report.freed_bytes > 0
+    assert ck.steps() == [2, 3]
+    assert_same(states[3], tpde.Checkpointer(url).load(3))
+    assert len(os.listdir(tmp_path / "r" / "data")) == 2
+
+
+def test_crash_leftovers_are_invisible_and_collected(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    ck = tpde.Checkpointer(url)
+    ck.save(0, {"w": torch.ones(10)})
+    # What a save killed before its manifest leaves behind: a blob and a temporary manifest.
+    (tmp_path / "r" / "data" / "00000000000000000001-deadbeef.tpd").write_bytes(b"partial")
+    (tmp_path / "r" / "steps" / "00000000000000000001.json.x.tmp").write_bytes(b"{")
+    assert ck.steps() == [0]
+    assert ck.gc(grace_seconds=3600).deleted == []  # might belong to a save in progress
+    report = ck.gc(grace_seconds=0)
+    assert sorted(os.path.basename(p) for p in report.deleted) == [
+        "00000000000000000001-deadbeef.tpd", "00000000000000000001.json.x.tmp"]
+    ck.save(1, {"w": torch.zeros(10)})
+    assert torch.equal(ck.load(1)["w"], torch.zeros(10))
+
+
+def test_corruption_is_detected_and_named(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    ck = tpde.Checkpointer(url, keyframe_every=10)
+    for step, state in sparse_states(3):
+        ck.save(step, state)
+    blob = sorted(glob.glob(str(tmp_path / "r" / "data" / "*")))[1]
+    raw = bytearray(open(blob, "rb").read())
+    raw[len(raw) // 3] ^= 0x04
+    open(blob, "wb").write(raw)
+    problems = tpde.Checkpointer(url).verify()
+    assert problems and all(p.step == 1 for p in problems)
+    assert all("run" in p.message and "tensor" in p.message for p in problems)
+    with pytest.raises(tpde.CorruptionError, match="step 1"):
+        tpde.Checkpointer(url).load(2)
+    tpde.Checkpointer(url).load(0)  # does not depend on the damaged blob
+
+    manifest = tmp_path / "r" / "steps" / "00000000000000000000.json"
+    text = manifest.read_bytes()
+    manifest.write_bytes(text.replace(b'"step"', b'"stex"', 1))
+    with pytest.raises(tpde.FormatError, match="step 0"):
+        tpde.Checkpointer(url).load(0)

@@ -1,0 +1,90 @@
+"""Elias-delta position stream: the spec's bit patterns, round trips, hostile streams."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tpde import FormatError, elias
+
+
+def code_bits(positions: list[int], block: int = 256) -> str:
+    stream = elias.encode(np.array(positions, dtype=np.int64), block)
+    count, _, _, nbits = elias.HEADER.unpack_from(stream)
+    body = stream[elias.HEADER.size + 16 * -(-count // block):]
+    return "".join(f"{b:08b}" for b in body)[:nbits]
+
+
+@pytest.mark.parametrize("gap, bits", [
+    (1, "1"), (2, "0100"), (3, "0101"), (4, "01100"), (7, "01111"),
+    (8, "00100000"), (15, "00100111"), (16, "001010000"), (17, "001010001"),
+    (100, "00111100100"), (2**16, "0000" + "10001" + "0" * 16),
+])
+def test_known_codes(gap: int, bits: str) -> None:
+    # First gap is position + 1, so position gap - 1 alone codes exactly `gap`.
+    assert code_bits([gap - 1]) == bits
+
+
+def test_gaps_between_positions_and_msb_first_packing() -> None:
+    # positions 0, 1, 3, 10 -> gaps 1, 1, 2, 7 -> 1 1 0100 01111
+    assert code_bits([0, 1, 3, 10]) == "11" + "0100" + "01111"
+    stream = elias.encode(np.array([0, 1, 3, 10]))
+    assert stream[-2:] == bytes([0b11010001, 0b11100000])
+
+
+def test_sync_points_record_bit_offset_and_base() -> None:
+    stream = elias.encode(np.array([0, 1, 3, 10, 11]), block=2)
+    sync = np.frombuffer(stream[elias.HEADER.size:elias.HEADER.size + 48], "<u8").reshape(3, 2)
+    # block 1 starts after codes "1","1" (2 bits) with base 1 + 1; block 2 after 2 + 4 + 5 bits.
+    assert sync.tolist() == [[0, 0], [2, 2], [11, 11]]
+
+
+@given(st.sets(st.integers(0, 2**56 - 1), max_size=300), st.integers(1, 64))
+def test_round_trip(positions: set[int], block: int) -> None:
+    p = np.array(sorted(positions), dtype=np.int64)
+    out = elias.decode(elias.encode(p, block), limit=2**56)
+    assert np.array_equal(out, p)
+
+
+@given(st.integers(1, 5000), st.floats(0.0001, 1.0), st.integers(0, 2**31))
+def test_round_trip_dense_ranges(n: int, density: float, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    size = int(n / density) + 1
+    p = np.sort(rng.choice(size, size=min(n, size), replace=False))
+    assert np.array_equal(elias.decode(elias.encode(p), limit=size), p)
+    assert elias.encoded_bits(p) == elias.HEADER.unpack_from(elias.encode(p))[3]
+
+
+@pytest.mark.parametrize("bad", [[1, 1], [3, 2], [-1], [2**56]])
+def test_encoder_rejects_bad_positions(bad: list[int]) -> None:
+    with pytest.raises(ValueError):
+        elias.encode(np.array(bad, dtype=np.int64))
+
+
+@given(st.binary(max_size=200))
+def test_hostile_bytes_raise_format_error_only(data: bytes) -> None:
+    try:
+        elias.decode(data, limit=10**6)
+    except FormatError:
+        pass
+
+
+@given(st.data())
+def test_flipped_bits_never_escape_as_other_errors(data: st.DataObject) -> None:
+    p = np.array(sorted(data.draw(st.sets(st.integers(0, 10**6), min_size=1, max_size=200))))
+    stream = bytearray(elias.encode(p, block=16))
+    i = data.draw(st.integers(0, len(stream) - 1))
+    stream[i] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        out = elias.decode(bytes(stream), limit=10**6 + 1)
+    except FormatError:
+        return
+    assert (np.diff(out) > 0).all() and out.size <= 10**6 + 1
+
+
+def test_claimed_count_beyond_limit_is_refused_before_allocation() -> None:
+    stream = elias.HEADER.pack(10**15, 256, 0, 10**15)
+    with pytest.raises(FormatError, match="claims"):
+        elias.decode(stream, limit=10**6)
