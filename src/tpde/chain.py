@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import codec, dtypes, frames, tree
+from . import codec, dtypes, elias, frames, tree
 from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
                      StepNotFoundError, TPDEError)
 from .manifest import Manifest, Record, SectionRef, content_hash, parse
@@ -303,11 +303,13 @@ class Chain:
                 for r in recs:
                     fail(exc, at, r.name)
                 continue
-            for r, secs in zip(recs, sections):
+            positions = self._positions(recs, sections)
+            for r, secs, pos in zip(recs, sections, positions):
                 dt = dtypes.by_name(r.dtype)
                 try:
                     words = codec.decode(r.codec, r.residual, secs, current.get(r.name),
-                                         r.numel * dt.words_per_element, dt.word_dtype, dt.kind)
+                                         r.numel * dt.words_per_element, dt.word_dtype, dt.kind,
+                                         positions=pos)
                     if content_hash(words.view(torch.uint8).numpy()) != r.hash:
                         raise CorruptionError("restored bytes do not match the stored hash; the "
                                               "chain is damaged at this step")
@@ -327,6 +329,25 @@ class Chain:
                 continue
             result[rec.name] = current[rec.name]
         return result
+
+    @staticmethod
+    def _positions(recs: list[Record], sections: list[dict[str, bytes]]) -> list[Any]:
+        """Decode the step's sparse position streams in one batch (None where not sparse).
+
+        If the batch fails, every record decodes its own stream so the error names its tensor.
+        """
+        sparse = [i for i, (r, secs) in enumerate(zip(recs, sections))
+                  if r.codec == "sparse" and "positions" in secs]
+        out: list[Any] = [None] * len(recs)
+        try:
+            decoded = elias.decode_many(
+                [sections[i]["positions"] for i in sparse],
+                [recs[i].numel * dtypes.by_name(recs[i].dtype).words_per_element for i in sparse])
+        except FormatError:
+            return out
+        for i, pos in zip(sparse, decoded):
+            out[i] = pos
+        return out
 
     def _data_hash(self, rec: Record, step: int) -> str:
         while rec.codec == "same":

@@ -80,13 +80,22 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
         table.add_row(str(r["step"]), "key" if r["keyframe"] else f"delta<-{r['parent']}",
                       _mb(r["raw_bytes"]), _mb(r["stored_bytes"]), f"{r['ratio']:.2f}x",
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
-    Console().print(table)
+    _out().print(table)
     print(f"total: {_mb(raw)} raw, {_mb(stored)} stored, {raw / max(1, stored):.2f}x")
     return 0
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f} MB"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _out() -> Console:
+    """Tables for people: full width in a terminal, wide enough not to fold when piped."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
@@ -103,14 +112,16 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         return 0
     table = Table(title=f"{chain.url} step {m.step} "
                         f"({'keyframe' if m.keyframe else f'delta against {m.parent}'})")
-    for col in ("tensor", "dtype", "numel", "codec", "ref", "changed", "stored", "ratio"):
-        table.add_column(col, justify="left" if col in ("tensor", "dtype", "codec") else "right")
+    table.add_column("tensor", overflow="fold", min_width=24)
+    for col in ("dtype", "numel", "codec", "ref", "changed", "stored", "ratio"):
+        table.add_column(col, justify="left" if col in ("dtype", "codec") else "right",
+                         no_wrap=True)
     for t in tensors:
         table.add_row(t["name"], t["dtype"], str(t["numel"]),
                       t["codec"] + (f"/{t['residual']}" if t["residual"] else ""),
                       "" if t["ref"] is None else str(t["ref"]), f"{t['density']:.2%}",
                       _mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x")
-    Console().print(table)
+    _out().print(table)
     return 0
 
 

@@ -169,12 +169,8 @@ class _BitReader:
 _LEADING_ZEROS_16 = (16 - bit_length(np.arange(1 << 16, dtype=_U64))).astype(np.int64)
 
 
-def decode(stream: bytes | memoryview, *, limit: int | None = None) -> np.ndarray:
-    """Decode a stream into int64 positions; any inconsistency raises ``FormatError``.
-
-    ``limit`` (the number of elements of the tensor) bounds every position, so a hostile stream
-    cannot make the caller allocate or index outside the tensor.
-    """
+def _parse(stream: bytes | memoryview, limit: int | None) -> tuple[int, int, int, np.ndarray, memoryview]:
+    """Header fields, sync table and code bytes of one stream, checked against each other."""
     buf = memoryview(stream).cast("B")
     if len(buf) < HEADER.size:
         raise FormatError("position stream is shorter than its header")
@@ -187,42 +183,83 @@ def decode(stream: bytes | memoryview, *, limit: int | None = None) -> np.ndarra
     code_start = HEADER.size + 16 * nsync
     if len(buf) != code_start + (nbits + 7) // 8 or nbits < count:
         raise FormatError("position stream length does not match its header")
-    if count == 0:
-        return np.zeros(0, dtype=np.int64)
     sync = np.frombuffer(buf[HEADER.size : code_start], dtype="<u8").reshape(nsync, 2)
-    offsets = sync[:, 0].astype(np.int64)
-    if (offsets >= nbits).any() or (np.diff(offsets) <= 0).any():
+    if nsync and ((sync[:, 0] >= nbits).any() or (np.diff(sync[:, 0].astype(np.int64)) <= 0).any()):
         raise FormatError("position stream has sync points out of order")
-    bases = sync[:, 1]
-    reader = _BitReader(bytes(buf[code_start:]))
+    return count, block, nbits, sync, buf[code_start:]
 
-    lanes = np.arange(nsync)
-    sizes = np.minimum(block, count - lanes * block)
-    width = min(block, count)
-    gaps = np.zeros((nsync, width), dtype=_U64)
+
+def decode(stream: bytes | memoryview, *, limit: int | None = None) -> np.ndarray:
+    """Decode one stream into int64 positions; any inconsistency raises ``FormatError``.
+
+    ``limit`` (the number of elements of the tensor) bounds every position, so a hostile stream
+    cannot make the caller allocate or index outside the tensor.
+    """
+    return decode_many([stream], [limit])[0]
+
+
+def decode_many(streams: list[bytes | memoryview], limits: list[int | None]) -> list[np.ndarray]:
+    """Decode several streams in one lockstep pass over all their blocks.
+
+    One Python iteration per code *within a block*, vectorised over every block of every stream:
+    a step's sparse tensors cost one pass, not one pass each.
+    """
+    parsed = [_parse(s, lim) for s, lim in zip(streams, limits)]
+    live = [i for i, p in enumerate(parsed) if p[0]]
+    out = [np.zeros(0, dtype=np.int64) for _ in parsed]
+    if not live:
+        return out
+    # Lay every stream's code bytes end to end; lanes are blocks, with global bit offsets.
+    starts, offsets, ends, bases, sizes, owner = [], [], [], [], [], []
+    at = 0
+    for i in live:
+        count, block, nbits, sync, codes = parsed[i]
+        nsync = sync.shape[0]
+        local = sync[:, 0].astype(np.int64)
+        starts.append(at)
+        offsets.append(local + 8 * at)
+        ends.append(np.append(local[1:], nbits) + 8 * at)
+        bases.append(sync[:, 1])
+        sizes.append(np.minimum(block, count - np.arange(nsync) * block))
+        owner.append(np.full(nsync, i))
+        at += len(codes)
+    reader = _BitReader(b"".join(bytes(parsed[i][4]) for i in live))
+    offsets, ends = np.concatenate(offsets), np.concatenate(ends)
+    bases, sizes = np.concatenate(bases), np.concatenate(sizes)
+    owner = np.concatenate(owner)
+    lanes = np.arange(offsets.size)
+    width = int(sizes.max())
+    gaps = np.zeros((lanes.size, width), dtype=_U64)
     pos = offsets.copy()
-    ends = np.append(offsets[1:], nbits)
-    for i in range(int(sizes.max())):
-        live = lanes[sizes > i] if i >= sizes[-1] else lanes
-        at = pos[live]
-        if (at >= ends[live]).any():
+    order = np.argsort(-sizes, kind="stable")  # lanes still running form a prefix of `order`
+    ascending = np.sort(sizes)
+    for i in range(width):
+        active = order[: lanes.size - np.searchsorted(ascending, i, side="right")]
+        at_bits = pos[active]
+        if (at_bits >= ends[active]).any():
             raise FormatError("position stream ends inside a code")
-        ell = _LEADING_ZEROS_16[reader.read(at, np.full(at.shape, 16)).astype(np.int64)]
+        ell = _LEADING_ZEROS_16[reader.read(at_bits, np.full(at_bits.shape, 16)).astype(np.int64)]
         if (ell > 6).any():
             raise FormatError("position stream has an invalid Elias-delta prefix")
-        n = reader.read(at + ell, ell + 1).astype(np.int64) - 1
+        n = reader.read(at_bits + ell, ell + 1).astype(np.int64) - 1
         if (n > 56).any():
             raise FormatError("position stream codes a gap beyond 2**57")
-        low = reader.read(at + 2 * ell + 1, n)
-        gaps[live, i] = (_U64(1) << n.astype(_U64)) | low
-        pos[live] = at + 2 * ell + 1 + n
+        low = reader.read(at_bits + 2 * ell + 1, n)
+        gaps[active, i] = (_U64(1) << n.astype(_U64)) | low
+        pos[active] = at_bits + 2 * ell + 1 + n
     if (pos != ends).any():
         raise FormatError("position stream blocks do not end at the next sync point")
 
     total = np.cumsum(gaps, axis=1, dtype=_U64) + bases[:, None] - _U64(1)
-    out = total[np.arange(width)[None, :] < sizes[:, None]].astype(np.int64)
-    if (out < 0).any() or (np.diff(out) <= 0).any() or (bases[1:] != out[lanes[1:] * block - 1] + 1).any():
-        raise FormatError("position stream decodes to positions that are not increasing")
-    if limit is not None and out[-1] >= limit:
-        raise FormatError(f"position stream points past the end of a tensor of {limit} elements")
+    valid = np.arange(width)[None, :] < sizes[:, None]
+    for i in live:
+        rows = owner == i
+        p = total[rows][valid[rows]].astype(np.int64)
+        block = parsed[i][1]
+        heads = np.arange(1, rows.sum()) * block - 1
+        if (p < 0).any() or (np.diff(p) <= 0).any() or (bases[rows][1:] != p[heads] + 1).any():
+            raise FormatError("position stream decodes to positions that are not increasing")
+        if limits[i] is not None and p[-1] >= limits[i]:
+            raise FormatError(f"position stream points past the end of a tensor of {limits[i]} elements")
+        out[i] = p
     return out

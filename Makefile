@@ -1,0 +1,21 @@
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# The CPU build of torch: no multi-GB CUDA wheels when only the CPU is used.
+TORCH ?= torch==2.13.0
+
+.PHONY: install install-dev demo test bench
+
+install:
+	$(PIP) install -q "$(TORCH)" -e .
+
+install-dev:
+	$(PIP) install -q "$(TORCH)" -e ".[dev]"
+
+demo: install
+	$(PYTHON) examples/quickstart.py
+
+test: install-dev
+	$(PYTHON) -m pytest
+
+bench: install-dev
+	$(PYTHON) benchmarks/chain_bench.py

@@ -1,0 +1,30 @@
+"""The states of the golden chain: exact arithmetic only, so any torch version rebuilds them."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+
+def golden_states() -> list[dict]:
+    i = torch.arange(4096)
+    w = ((torch.arange(65536) * 37 % 512 - 256) / 8).to(torch.bfloat16).reshape(256, 256)
+    f = ((i - 2048) / 64.0).to(torch.float32)
+    counts = torch.arange(100, dtype=torch.int64)
+    frozen = (i[:1000] % 7).to(torch.float16)
+    states = []
+    for step in range(5):
+        if step:
+            w = w.clone()
+            k = torch.arange(100)
+            w.view(-1)[(k * k * 7919 + step * 104729) % 65536] += 1  # sparse, scattered
+            f = f + 2.0**-10  # dense, small differences
+        sd = OrderedDict(w=w, tied=w, f=f, frozen=frozen)
+        sd._metadata = OrderedDict({"": {"version": 1}})
+        states.append({
+            "model": sd, "counts": counts, "t8": (torch.ones(3) * step).to(torch.float8_e4m3fn),
+            "b": torch.tensor([True, False, step % 2 == 0]), "c": torch.tensor([1 + 2j, step * 1j]),
+            "meta": {"step": step, "lr": 0.5**step, "names": ("a", "b"), 3: None, "s": {1, 2}},
+        })
+    return states

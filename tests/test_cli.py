@@ -1,0 +1,104 @@
+"""The tpde command line, run in-process through ``main`` and once as a real console script."""
+
+from __future__ import annotations
+
+import glob
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import tpde
+from tpde.cli import main
+
+
+@pytest.fixture()
+def run(tmp_path) -> str:
+    url = str(tmp_path / "run")
+    ck = tpde.Checkpointer(url, keyframe_every=3)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g).bfloat16()
+    for step in range(0, 50, 10):
+        w.view(-1)[torch.randint(0, w.numel(), (300,), generator=g)] += 1
+        ck.save(step, {"w": w, "frozen": torch.ones(1000), "step": step})
+    return url
+
+
+def call(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ls_json_lists_steps_codecs_and_ratio(run, capsys) -> None:
+    code, out, _ = call(capsys, "ls", run, "--json")
+    data = json.loads(out)
+    assert code == 0 and [s["step"] for s in data["steps"]] == [0, 10, 20, 30, 40]
+    assert [s["keyframe"] for s in data["steps"]] == [True, False, False, True, False]
+    assert data["steps"][1]["codecs"] == {"sparse": 1, "same": 1}
+    assert data["ratio"] > 1 and data["raw_bytes"] == 5 * (256 * 256 * 2 + 4000)
+    code, out, _ = call(capsys, "ls", run)
+    assert code == 0 and "delta<-0" in out and "total:" in out
+
+
+def test_info_reports_each_tensor(run, capsys) -> None:
+    code, out, _ = call(capsys, "info", run, "--step", "10", "--json")
+    tensors = {t["name"]: t for t in json.loads(out)["tensors"]}
+    assert code == 0
+    assert tensors["w"]["codec"] == "sparse" and 0 < tensors["w"]["density"] < 0.01
+    assert tensors["frozen"]["codec"] == "same" and tensors["frozen"]["stored_bytes"] == 0
+
+
+def test_restore_writes_plain_torch_and_safetensors_files(run, tmp_path, capsys) -> None:
+    out = tmp_path / "s.pt"
+    assert call(capsys, "restore", run, "--step", "20", "--output", str(out))[0] == 0
+    restored = torch.load(out, weights_only=True)
+    assert torch.equal(restored["w"], tpde.Checkpointer(run).load(20)["w"]) and restored["step"] == 20
+    st = tmp_path / "s.safetensors"
+    assert call(capsys, "restore", run, "--output", str(st), "--format", "safetensors")[0] == 0
+    from safetensors.torch import load_file
+
+    assert set(load_file(st)) == {"w", "frozen"}
+
+
+def test_verify_exit_status_names_the_damaged_tensor(run, capsys) -> None:
+    assert call(capsys, "verify", run)[0] == 0
+    blob = sorted(glob.glob(f"{run}/data/*"))[1]  # step 10
+    raw = bytearray(open(blob, "rb").read())
+    raw[-10] ^= 0xFF
+    open(blob, "wb").write(raw)
+    code, out, _ = call(capsys, "verify", run, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    assert {(p["step"], p["tensor"]) for p in report["problems"]} == {(10, "w")}
+    code, _, err = call(capsys, "verify", run, "--step", "0")
+    assert code == 0  # the keyframe does not depend on step 10
+
+
+def test_gc_reports_bytes_freed(run, capsys) -> None:
+    ck = tpde.Checkpointer(run)
+    for step in (0, 10, 20):
+        ck.remove(step)
+    code, out, _ = call(capsys, "gc", run, "--json", "--grace", "0")
+    report = json.loads(out)
+    assert code == 0 and report["purged_steps"] == [0, 10, 20] and report["freed_bytes"] > 0
+
+
+def test_errors_exit_1_and_usage_exits_2(run, tmp_path, capsys) -> None:
+    code, _, err = call(capsys, "info", run, "--step", "7")
+    assert code == 1 and "step 7" in err
+    code, out, _ = call(capsys, "ls", str(tmp_path / "nothing"), "--json")
+    assert code == 1 and json.loads(out)["error"] == "NotARunError"
+    with pytest.raises(SystemExit) as exc:
+        main(["info", run])
+    assert exc.value.code == 2
+
+
+def test_console_script_help_on_every_command() -> None:
+    exe = shutil.which("tpde")
+    assert exe, "the tpde console script is not installed"
+    for command in ("ls", "info", "restore", "verify", "gc"):
+        done = subprocess.run([exe, command, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "--json" in done.stdout

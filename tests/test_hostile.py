@@ -1,0 +1,76 @@
+"""Hostile manifests: damaged bytes, or a valid digest around lies. Only TPDEErrors escape."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tpde import FormatError, manifest
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "chain-v1", "steps",
+                      "00000000000000000001.json")
+RAW = open(GOLDEN, "rb").read()
+BODY = json.loads(RAW)["body"]
+
+
+def signed(body: dict) -> bytes:
+    """A manifest whose digest is right: only the field checks can refuse it."""
+    canon = manifest._canonical(body)
+    return manifest._canonical({"body": body, "blake2b": manifest.content_hash(canon)})
+
+
+@given(st.integers(0, len(RAW) - 1), st.integers(1, 255))
+def test_any_damaged_byte_is_refused(at: int, xor: int) -> None:
+    damaged = bytearray(RAW)
+    damaged[at] ^= xor
+    with pytest.raises(FormatError):
+        manifest.parse(bytes(damaged), step=1)
+
+
+@given(st.integers(0, len(RAW)))
+def test_truncation_is_refused(n: int) -> None:
+    if n == len(RAW):
+        assert manifest.parse(RAW, step=1).step == 1
+    else:
+        with pytest.raises(FormatError):
+            manifest.parse(RAW[:n], step=1)
+
+
+def lie(path: tuple, value: object) -> bytes:
+    body = copy.deepcopy(BODY)
+    node = body
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return signed(body)
+
+
+@pytest.mark.parametrize("path, value", [
+    (("records", 0, "numel"), 10**15),
+    (("records", 0, "numel"), -1),
+    (("records", 0, "dtype"), "float128"),
+    (("records", 0, "codec"), "magic"),
+    (("records", 0, "ref"), 99),
+    (("records", 0, "count"), 10**12),
+    (("records", 0, "sections", "values", "raw"), 2**40),
+    (("records", 0, "sections", "values", "chunk"), 1),
+    (("records", 0, "sections", "values", "offset"), 2**40),
+    (("records", 0, "sections", "values", "frames"), [1] * 3),
+    (("blob_size",), 3),
+    (("step",), 2),
+    (("format",), 99),
+    (("records",), "nope"),
+])
+def test_lies_behind_a_valid_digest_are_refused(path: tuple, value: object) -> None:
+    with pytest.raises(FormatError):
+        manifest.parse(lie(path, value), step=1)
+
+
+def test_oversized_manifest_is_refused_before_parsing() -> None:
+    with pytest.raises(FormatError, match="cap"):
+        manifest.parse(b" " * (manifest.MAX_MANIFEST_BYTES + 1))
