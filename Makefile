@@ -3,7 +3,7 @@ PIP := $(PYTHON) -m pip
 # The CPU build of torch: no multi-GB CUDA wheels when only the CPU is used.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test bench
+.PHONY: install install-dev demo test bench bench-quick
 
 install:
 	$(PIP) install -q "$(TORCH)" -e .
@@ -18,4 +18,9 @@ test: install-dev
 	$(PYTHON) -m pytest
 
 bench: install-dev
+	$(PIP) install -q -e ".[bench]"
 	$(PYTHON) benchmarks/chain_bench.py
+
+bench-quick: install-dev
+	$(PIP) install -q -e ".[bench]"
+	$(PYTHON) benchmarks/chain_bench.py --quick --json benchmarks/results/chain_bench_quick.json

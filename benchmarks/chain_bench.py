@@ -32,8 +32,11 @@ import torch
 
 import tpde
 
-CACHE = os.path.join(os.path.dirname(__file__), "..", ".bench-cache")
 HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join(HERE, "..", ".bench-cache")
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+from quickstart import TinyGPT, corpus, torch_save_bytes, train_step  # noqa: E402
 
 
 def english_text() -> str:
@@ -90,22 +93,13 @@ def minilm_states(checkpoints: int, every: int, bf16_every: int) -> tuple[list, 
 
 
 def tinygpt_states(checkpoints: int, every: int) -> list:
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-    from quickstart import TinyGPT, corpus
-
     torch.manual_seed(0)
     data, model = corpus(), TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     out = []
     for step in range(1, checkpoints * every + 1):
-        at = torch.randint(0, data.numel() - 65, (32,), generator=g)
-        batch = torch.stack([data[a : a + 65] for a in at.tolist()])
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 256),
-                                                 batch[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        train_step(model, opt, data, g)
         if step % every == 0:
             out.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()}))
     return out
@@ -123,12 +117,6 @@ def workloads(quick: bool) -> dict[str, list]:
     os.makedirs(CACHE, exist_ok=True)
     torch.save(loads, path)
     return loads
-
-
-def torch_save_bytes(state: dict) -> int:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.tell()
 
 
 def run_chain(states: list, **options) -> dict:

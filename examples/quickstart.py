@@ -49,6 +49,19 @@ class TinyGPT(torch.nn.Module):
         return self.head(self.blocks(h, mask=self.mask[: x.shape[1], : x.shape[1]], is_causal=True))
 
 
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, data: torch.Tensor,
+               g: torch.Generator) -> torch.Tensor:
+    """One optimizer step on 32 random 64-byte windows of ``data``; returns the loss."""
+    at = torch.randint(0, data.numel() - 65, (32,), generator=g)
+    batch = torch.stack([data[a : a + 65] for a in at.tolist()])
+    loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 256),
+                                             batch[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def torch_save_bytes(state: dict) -> int:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -70,13 +83,7 @@ def main(root: str) -> None:
 
     g = torch.Generator().manual_seed(0)
     for step in range(1, STEPS + 1):
-        at = torch.randint(0, data.numel() - 65, (32,), generator=g)
-        batch = torch.stack([data[a : a + 65] for a in at.tolist()])
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 256),
-                                                 batch[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = train_step(model, opt, data, g)
         saves = []
         if step % FULL_EVERY == 0:
             saves.append(("full", full, {"model": model.state_dict(), "optimizer": opt.state_dict(),

@@ -226,3 +226,25 @@ def test_corruption_is_detected_and_named(tmp_path) -> None:
     manifest.write_bytes(text.replace(b'"step"', b'"stex"', 1))
     with pytest.raises(tpde.FormatError, match="step 0"):
         tpde.Checkpointer(url).load(0)
+
+
+def test_one_tensor_is_read_by_range_without_the_whole_blob(store_url) -> None:
+    url, opts = store_url
+    ck = tpde.Checkpointer(url, storage_options=opts)
+    g = torch.Generator().manual_seed(0)
+    state = {f"layer{i}": torch.randn(256, 256, generator=g) for i in range(8)}
+    ck.save(0, state)
+    chain = tpde.Checkpointer(url, storage_options=opts).chain
+    blob_size = chain.manifest(0).blob_size
+    fetched: list[int] = []
+    read_ranges = chain.store.read_ranges
+
+    def counting(rel, ranges):
+        out = read_ranges(rel, ranges)
+        fetched.extend(len(b) for b in out)
+        return out
+
+    chain.store.read_ranges = counting  # count what the store layer fetches
+    words = chain.materialize(0, names=["layer3"])
+    assert torch.equal(words["layer3"].view(torch.float32).reshape(256, 256), state["layer3"])
+    assert 0 < sum(fetched) < blob_size / 4

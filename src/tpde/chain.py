@@ -121,8 +121,7 @@ class Chain:
 
     # ------------------------------------------------------------------ writing
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
-              settings: codec.Settings, keyframe_every: int,
-              progress: Progress | None = None) -> tuple[Manifest, Reference]:
+              settings: codec.Settings, keyframe_every: int) -> tuple[Manifest, Reference]:
         """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
 
         ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near one
@@ -166,8 +165,6 @@ class Chain:
                          ref, enc.residual, enc.count, sections)
             records.append(rec)
             new_words[span.name] = host
-            if progress:
-                progress(rec.raw_bytes)
 
         try:
             workers = settings.threads or frames.default_threads()
@@ -209,7 +206,7 @@ class Chain:
             raise StepExistsError("was removed, but later steps still need its data, so the "
                                   "number cannot be reused yet; save under a new step",
                                   run=self.url, step=step)
-        self._purge(step, GcReport())
+        self._purge(step, GcReport(), self._sizes())
 
     # ------------------------------------------------------------------ reading
     def _record(self, step: int, name: str, wanted_by: int) -> Record:
@@ -392,8 +389,10 @@ class Chain:
                     todo.append(ref)
         return seen
 
-    def _purge(self, step: int, report: GcReport) -> None:
-        sizes = {e.path: e.size for e in self.store.list(DATA)}
+    def _sizes(self) -> dict[str, int]:
+        return {e.path: e.size for prefix in (DATA, STEPS) for e in self.store.list(prefix)}
+
+    def _purge(self, step: int, report: GcReport, sizes: dict[str, int]) -> None:
         try:
             blob = self.manifest(step).blob
         except TPDEError:
@@ -415,9 +414,10 @@ class Chain:
         self.require_run()
         report = GcReport()
         needed = self.needed(keep)
+        sizes = self._sizes()
         for step in self.committed():
             if step not in needed:
-                self._purge(step, report)
+                self._purge(step, report, sizes)
         live = {self.manifest(s).blob for s in needed}
         now = time.time()
         for prefix in (DATA, STEPS):

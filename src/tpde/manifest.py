@@ -89,7 +89,8 @@ class Manifest:
 
     @property
     def stored_bytes(self) -> int:
-        return self.blob_size
+        """The blob plus the manifest itself: everything the step costs in the store."""
+        return self.blob_size + self.__dict__.get("_size", 0)
 
     def refs(self) -> set[int]:
         return {r.ref for r in self.records if r.ref is not None}
@@ -126,7 +127,9 @@ def parse(data: bytes, *, step: int | None = None) -> Manifest:
     if content_hash(_canonical(body)) != digest:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
-        return _build(body, step)
+        m = _build(body, step)
+        m.__dict__["_size"] = len(data)
+        return m
     except FormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
