@@ -38,6 +38,35 @@ def _name(step: int) -> str:
     return f"{step:020d}"
 
 
+def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except TPDEError as exc:
+            return exc
+    return run
+
+
+def _decompress(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, bytes]:
+    return {name: frames.decompress(fr, s.raw, s.chunk)
+            for (name, s), fr in zip(r.sections.items(), framed.values())}
+
+
+def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any]) -> torch.Tensor:
+    """Decode one record against its reference words; hash-check it when asked to."""
+    r, check, secs, ref, positions = job
+    if isinstance(secs, TPDEError):
+        raise secs
+    dt = dtypes.by_name(r.dtype)
+    words = codec.decode(r.codec, r.residual, secs, ref, r.numel * dt.words_per_element,
+                         dt.word_dtype, dt.kind, positions=positions)
+    if check and content_hash(words.view(torch.uint8).numpy()) != r.hash:
+        raise CorruptionError("restored bytes do not match the stored hash; the chain is "
+                              "damaged at this step")
+    return words
+
+
 @dataclass
 class Reference:
     """What the next delta is coded against: the host words of the last saved or loaded step."""
@@ -233,8 +262,8 @@ class Chain:
                     return out[::-1]
             at, rec = rec.ref, self._record(rec.ref, name, step)
 
-    def _fetch(self, m: Manifest, recs: list[Record]) -> list[dict[str, bytes]]:
-        """Decompressed sections of ``recs``: one GET of the blob, or range reads for a few."""
+    def _fetch(self, m: Manifest, recs: list[Record]) -> list[dict[str, list[memoryview]]]:
+        """The frames of ``recs``' sections: one GET of the blob, or range reads for a few."""
         wanted = [(s.offset, s.offset + s.length) for r in recs for s in r.sections.values()]
         if not wanted:
             return [{} for _ in recs]
@@ -259,23 +288,23 @@ class Chain:
                 for n in s.frames:
                     fr.append(piece[at : at + n])
                     at += n
-                try:
-                    secs[sname] = frames.decompress(fr, s.raw, s.chunk)
-                except TPDEError as exc:
-                    raise exc.located(run=self.url, step=m.step, tensor=r.name) from None
+                secs[sname] = fr
             out.append(secs)
         return out
 
     def materialize(self, step: int, names: Iterable[str] | None = None, *,
-                    problems: list[Problem] | None = None,
+                    problems: list[Problem] | None = None, check_every: bool = False,
                     progress: Progress | None = None) -> dict[str, torch.Tensor]:
-        """Host words of ``step``'s records, rebuilt blob by blob and checked against their hashes.
+        """Host words of ``step``'s records, rebuilt blob by blob and checked against hashes.
 
-        With ``problems`` given, damaged tensors are reported there and skipped instead of raised.
+        The words a caller gets are always hash-checked; with ``check_every`` so is every delta
+        on the way, which is what ``verify`` does.  A mismatch is traced back to the first damaged
+        step either way.  With ``problems`` given, damaged tensors are reported there and skipped
+        instead of raised.
         """
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in set(names)]
-        plan: dict[int, list[Record]] = defaultdict(list)
+        plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
         failed: set[str] = set()
 
         def fail(exc: TPDEError, at: int, name: str) -> None:
@@ -287,35 +316,39 @@ class Chain:
 
         for rec in wanted:
             try:
-                for at, r in self._lineage(rec.name, step):
-                    plan[at].append(r)
+                lineage = self._lineage(rec.name, step)
             except TPDEError as exc:
                 fail(exc, step, rec.name)
-        current: dict[str, torch.Tensor] = {}
-        for at in sorted(plan):
-            recs = [r for r in plan[at] if r.name not in failed]
-            try:
-                sections = self._fetch(self.manifest(at), recs)
-            except TPDEError as exc:
-                for r in recs:
-                    fail(exc, at, r.name)
                 continue
-            positions = self._positions(recs, sections)
-            for r, secs, pos in zip(recs, sections, positions):
-                dt = dtypes.by_name(r.dtype)
+            for i, (at, r) in enumerate(lineage):
+                plan[at].append((r, check_every or i == len(lineage) - 1))
+        current: dict[str, torch.Tensor] = {}
+        workers = frames.default_threads()
+        with ThreadPoolExecutor(workers, thread_name_prefix="tpde-decode") as pool:
+            for at in sorted(plan):
+                todo = [(r, check) for r, check in plan[at] if r.name not in failed]
                 try:
-                    words = codec.decode(r.codec, r.residual, secs, current.get(r.name),
-                                         r.numel * dt.words_per_element, dt.word_dtype, dt.kind,
-                                         positions=pos)
-                    if content_hash(words.view(torch.uint8).numpy()) != r.hash:
-                        raise CorruptionError("restored bytes do not match the stored hash; the "
-                                              "chain is damaged at this step")
+                    fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
                 except TPDEError as exc:
-                    fail(exc, at, r.name)
+                    for r, _ in todo:
+                        fail(exc, at, r.name)
                     continue
-                current[r.name] = words
-                if progress:
-                    progress(r.raw_bytes)
+                sections = list(pool.map(_attempt(_decompress), [r for r, _ in todo], fetched))
+                positions = self._positions([r for r, _ in todo], sections)
+                jobs = [(r, check, secs, current.get(r.name), pos)
+                        for (r, check), secs, pos in zip(todo, sections, positions)]
+                for (r, check, *_), done in zip(jobs, pool.map(_attempt(_rebuild), jobs)):
+                    if isinstance(done, TPDEError):
+                        if check and not check_every and isinstance(done, CorruptionError) \
+                                and not isinstance(done, FormatError):
+                            done, at_bad = self._trace(r.name, step, done, at)
+                            fail(done, at_bad, r.name)
+                        else:
+                            fail(done, at, r.name)
+                        continue
+                    current[r.name] = done
+                    if progress:
+                        progress(r.raw_bytes)
         result = {}
         for rec in wanted:
             if rec.name in failed:
@@ -327,14 +360,22 @@ class Chain:
             result[rec.name] = current[rec.name]
         return result
 
+    def _trace(self, name: str, step: int, exc: TPDEError, at: int) -> tuple[TPDEError, int]:
+        """Find the first damaged step of ``name``'s lineage by checking every delta's hash."""
+        found: list[Problem] = []
+        self.materialize(step, [name], problems=found, check_every=True)
+        if found:
+            return CorruptionError(found[0].message), found[0].step
+        return exc, at
+
     @staticmethod
-    def _positions(recs: list[Record], sections: list[dict[str, bytes]]) -> list[Any]:
+    def _positions(recs: list[Record], sections: list[Any]) -> list[Any]:
         """Decode the step's sparse position streams in one batch (None where not sparse).
 
         If the batch fails, every record decodes its own stream so the error names its tensor.
         """
         sparse = [i for i, (r, secs) in enumerate(zip(recs, sections))
-                  if r.codec == "sparse" and "positions" in secs]
+                  if r.codec == "sparse" and isinstance(secs, dict) and "positions" in secs]
         out: list[Any] = [None] * len(recs)
         try:
             decoded = elias.decode_many(
@@ -439,7 +480,7 @@ class Chain:
         problems: list[Problem] = []
         for s in [step] if step is not None else self.steps():
             try:
-                self.materialize(s, problems=problems, progress=progress)
+                self.materialize(s, problems=problems, check_every=True, progress=progress)
             except TPDEError as exc:
                 problems.append(Problem(s, exc.tensor, str(exc.located(run=self.url, step=s))))
         unique = {(p.step, p.tensor, p.message): p for p in problems}

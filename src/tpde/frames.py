@@ -18,7 +18,7 @@ from .errors import FormatError
 
 DEFAULT_CHUNK = 256 * 1024
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL = 1
 
 
 def default_threads() -> int:
