@@ -48,6 +48,14 @@ def test_every_kind_of_value_round_trips(store_url) -> None:
     assert isinstance(out["param"], torch.nn.Parameter)
 
 
+def test_keys_that_print_alike_stay_distinct(tmp_path) -> None:
+    state = {1: torch.ones(2), "1": torch.zeros(2), "a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(0, state)
+    ck.save(1, state)
+    assert_same(state, tpde.Checkpointer(str(tmp_path / "r")).load(1))
+
+
 def test_tied_tensors_are_stored_once(tmp_path) -> None:
     w = torch.randn(1000, 100)
     info = tpde.Checkpointer(str(tmp_path / "r")).save(0, {"a": w, "b": w, "view": w[10:20]})

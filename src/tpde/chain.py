@@ -59,8 +59,9 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any]) -> torch.T
     if isinstance(secs, TPDEError):
         raise secs
     dt = dtypes.by_name(r.dtype)
+    # `ref` is a previous decode of this same materialize call: safe to overwrite.
     words = codec.decode(r.codec, r.residual, secs, ref, r.numel * dt.words_per_element,
-                         dt.word_dtype, dt.kind, positions=positions)
+                         dt.word_dtype, dt.kind, positions=positions, inplace=True)
     if check and content_hash(words.view(torch.uint8).numpy()) != r.hash:
         raise CorruptionError("restored bytes do not match the stored hash; the chain is "
                               "damaged at this step")
@@ -323,20 +324,33 @@ class Chain:
             for i, (at, r) in enumerate(lineage):
                 plan[at].append((r, check_every or i == len(lineage) - 1))
         current: dict[str, torch.Tensor] = {}
-        workers = frames.default_threads()
-        with ThreadPoolExecutor(workers, thread_name_prefix="tpde-decode") as pool:
-            for at in sorted(plan):
-                todo = [(r, check) for r, check in plan[at] if r.name not in failed]
-                try:
-                    fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
-                except TPDEError as exc:
-                    for r, _ in todo:
-                        fail(exc, at, r.name)
+        steps = sorted(plan)
+
+        def prepare(at: int) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
+            """Fetch, decompress and decode positions of one step: nothing here needs the
+            previous step's words, so it runs one step ahead of the rebuild."""
+            todo = [(r, check) for r, check in plan[at] if r.name not in failed]
+            try:
+                fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
+            except TPDEError as exc:
+                return exc
+            sections = list(pool.map(_attempt(_decompress), [r for r, _ in todo], fetched))
+            return todo, sections, self._positions([r for r, _ in todo], sections)
+
+        with ThreadPoolExecutor(frames.default_threads(), thread_name_prefix="tpde-decode") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="tpde-prefetch") as ahead:
+            upcoming = ahead.submit(prepare, steps[0]) if steps else None
+            for k, at in enumerate(steps):
+                prepared = upcoming.result()
+                if k + 1 < len(steps):
+                    upcoming = ahead.submit(prepare, steps[k + 1])
+                if isinstance(prepared, TPDEError):
+                    for r, _ in plan[at]:
+                        if r.name not in failed:
+                            fail(prepared, at, r.name)
                     continue
-                sections = list(pool.map(_attempt(_decompress), [r for r, _ in todo], fetched))
-                positions = self._positions([r for r, _ in todo], sections)
                 jobs = [(r, check, secs, current.get(r.name), pos)
-                        for (r, check), secs, pos in zip(todo, sections, positions)]
+                        for (r, check), secs, pos in zip(*prepared) if r.name not in failed]
                 for (r, check, *_), done in zip(jobs, pool.map(_attempt(_rebuild), jobs)):
                     if isinstance(done, TPDEError):
                         if check and not check_every and isinstance(done, CorruptionError) \

@@ -109,16 +109,28 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     return (d << 1) ^ (d >> (bits - 1))
 
 
-def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+def _order_(words: torch.Tensor) -> torch.Tensor:
+    """``_order`` in place."""
+    top = words >> (words.element_size() * 8 - 1)
+    top &= (1 << (words.element_size() * 8 - 1)) - 1
+    return words.bitwise_xor_(top)
+
+
+def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
+                   inplace: bool = False) -> torch.Tensor:
+    """Inverse of ``residual``.  With ``inplace`` both ``ref`` and ``r`` are overwritten."""
+    out = ref if inplace else ref.clone()
     if how == "xor":
-        return ref ^ r
+        return out.bitwise_xor_(r)
     if how != "sub" or kind == "raw":
         raise FormatError(f"unknown residual {how!r} for {kind} words")
     bits = r.element_size() * 8
-    d = ((r >> 1) & ((1 << (bits - 1)) - 1)) ^ -(r & 1)
+    d = r if inplace else r.clone()
+    sign = (d & 1).neg_()
+    d.bitwise_right_shift_(1).bitwise_and_((1 << (bits - 1)) - 1).bitwise_xor_(sign)
     if kind == "float":
-        return _order(_order(ref) + d)
-    return ref + d
+        return _order_(_order_(out).add_(d))
+    return out.add_(d)
 
 
 def residual_kinds(kind: str) -> tuple[str, ...]:
@@ -217,11 +229,12 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
 # ---------------------------------------------------------------- decoding
 def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.Tensor | None,
            n: int, word_dtype: torch.dtype, kind: str,
-           positions: np.ndarray | None = None) -> torch.Tensor:
+           positions: np.ndarray | None = None, inplace: bool = False) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
-    a whole step's streams in one batch with ``elias.decode_many``).
+    a whole step's streams in one batch with ``elias.decode_many``).  With ``inplace`` a delta
+    overwrites ``ref`` instead of copying it: for callers that own ``ref``.
     """
     if codec == "key":
         words = _words_from(sections, "values", word_dtype)
@@ -236,7 +249,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.T
     if codec == "dense":
         if r.numel() != n:
             raise FormatError(f"dense residual holds {r.numel()} words where {n} are expected")
-        return apply_residual(ref, r, how or "", kind)
+        return apply_residual(ref, r, how or "", kind, inplace=inplace)
     if codec == "sparse":
         if how != "xor":
             raise FormatError(f"sparse record with residual {how!r}")
@@ -245,7 +258,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.T
         pos = torch.from_numpy(positions)
         if pos.numel() != r.numel():
             raise FormatError("sparse record has a different number of positions and values")
-        out = ref.clone()
+        out = ref if inplace else ref.clone()
         pos = pos.to(ref.device)
         out[pos] = ref[pos] ^ r
         return out

@@ -154,16 +154,17 @@ class _BitReader:
         # Reads may run up to 16 bytes past the last code byte on damaged input; pad for that.
         padded = np.zeros(len(data) + 24, dtype=np.uint8)
         padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self._padded = padded
-        self._windows = np.ndarray(
-            shape=(len(data) + 16,), dtype=">u8", buffer=padded, strides=(1,)
-        )
+        # The 8 bytes starting at every byte, as native integers: one gather per read.
+        self._windows = np.ndarray(shape=(len(data) + 16,), dtype=">u8", buffer=padded,
+                                   strides=(1,)).astype(_U64)
+
+    def window(self, offset: np.ndarray) -> np.ndarray:
+        """64 bits whose top 57 at least start at ``offset``."""
+        return self._windows[offset >> 3] << (offset & 7).astype(_U64)
 
     def read(self, offset: np.ndarray, width: np.ndarray) -> np.ndarray:
-        window = self._windows[offset >> 3].astype(_U64)
-        aligned = window << (offset & 7).astype(_U64)
         w = np.asarray(width, dtype=_U64)
-        return np.where(w > 0, aligned >> (_U64(64) - np.maximum(w, _U64(1))), _U64(0))
+        return np.where(w > 0, self.window(offset) >> (_U64(64) - np.maximum(w, _U64(1))), _U64(0))
 
 
 _LEADING_ZEROS_16 = (16 - bit_length(np.arange(1 << 16, dtype=_U64))).astype(np.int64)
@@ -238,15 +239,23 @@ def decode_many(streams: list[bytes | memoryview], limits: list[int | None]) -> 
         at_bits = pos[active]
         if (at_bits >= ends[active]).any():
             raise FormatError("position stream ends inside a code")
-        ell = _LEADING_ZEROS_16[reader.read(at_bits, np.full(at_bits.shape, 16)).astype(np.int64)]
+        # One 64-bit window holds the whole code unless it is longer than 57 bits (rare).
+        w = reader.window(at_bits)
+        ell = _LEADING_ZEROS_16[(w >> _U64(48)).astype(np.int64)]
         if (ell > 6).any():
             raise FormatError("position stream has an invalid Elias-delta prefix")
-        n = reader.read(at_bits + ell, ell + 1).astype(np.int64) - 1
+        uell = ell.astype(_U64)
+        n = ((w << uell) >> (_U64(63) - uell)).astype(np.int64) - 1
         if (n > 56).any():
             raise FormatError("position stream codes a gap beyond 2**57")
-        low = reader.read(at_bits + 2 * ell + 1, n)
-        gaps[active, i] = (_U64(1) << n.astype(_U64)) | low
-        pos[active] = at_bits + 2 * ell + 1 + n
+        un, head = n.astype(_U64), 2 * ell + 1
+        low = np.where(n > 0, (w << head.astype(_U64)) >> (_U64(64) - np.maximum(un, _U64(1))),
+                       _U64(0))
+        long = np.flatnonzero(head + n > 57)
+        if long.size:
+            low[long] = reader.read(at_bits[long] + head[long], n[long])
+        gaps[active, i] = (_U64(1) << un) | low
+        pos[active] = at_bits + head + n
     if (pos != ends).any():
         raise FormatError("position stream blocks do not end at the next sync point")
 

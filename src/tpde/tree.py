@@ -134,13 +134,18 @@ def _group(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Span], dict[in
 
     views: dict[int, dict[str, Any]] = {}
     spans: list[Span] = []
+    names: set[str] = set()
     for members in groups.values():
         extents = [_extent(tensors[i][1]) for i in members]
         lo = min(a for a, _ in extents)
         hi = max(b for _, b in extents)
         first = tensors[members[0]][1].detach()
         span = first.as_strided((hi - lo,), (1,), lo)
-        spans.append(Span(tensors[members[0]][0].lstrip("/") or "<root>", span, str(first.device)))
+        name = tensors[members[0]][0].lstrip("/") or "<root>"
+        while name in names:  # keys 1 and "1" share a path; names must stay unique
+            name += "'"
+        names.add(name)
+        spans.append(Span(name, span, str(first.device)))
         for i in members:
             t = tensors[i][1]
             views[i] = {
