@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import tpde
 from helpers import assert_same
+from tpde import store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
 
@@ -256,3 +257,48 @@ def test_one_tensor_is_read_by_range_without_the_whole_blob(store_url) -> None:
     words = chain.materialize(0, names=["layer3"])
     assert torch.equal(words["layer3"].view(torch.float32).reshape(256, 256), state["layer3"])
     assert 0 < sum(fetched) < blob_size / 4
+
+
+def test_unstorable_value_is_refused_before_anything_is_written(tmp_path) -> None:
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(0, {"w": torch.ones(1000)})
+    with pytest.raises(tpde.UnsupportedError, match="cfg/fn"):
+        ck.save(1, {"w": torch.ones(1000), "cfg": {"fn": lambda x: x}})
+    assert ck.steps() == [0]
+    assert not ck.save(1, {"w": torch.ones(1000)}).keyframe  # the writer kept its reference
+
+
+def test_a_store_failure_mid_save_leaves_nothing_visible(store_url, monkeypatch) -> None:
+    url, opts = store_url
+    ck = tpde.Checkpointer(url, storage_options=opts, chunk_bytes=4096)
+    ck.save(0, {"w": torch.ones(10_000)})
+    original_init = store.BlobWriter.__init__
+
+    class FillingDisk:
+        """The blob's file object, refusing writes after the second as a full disk does."""
+
+        def __init__(self, f) -> None:
+            self.f, self.writes = f, 0
+
+        def write(self, data) -> int:
+            self.writes += 1
+            if self.writes > 2:
+                raise OSError(28, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    def init(self, *args) -> None:
+        original_init(self, *args)
+        self._f = FillingDisk(self._f)
+
+    monkeypatch.setattr(store.BlobWriter, "__init__", init)
+    with pytest.raises(tpde.StoreError, match="No space left"):
+        ck.save(1, {"w": torch.randn(10_000), "v": torch.randn(10_000)})
+    monkeypatch.undo()
+    assert ck.steps() == [0]
+    assert ck.save(1, {"w": torch.zeros(10_000)}).keyframe  # the reference went with the failure
+    ck.gc(grace_seconds=0)
+    reader = tpde.Checkpointer(url, storage_options=opts)
+    assert reader.verify() == [] and torch.equal(reader.load(0)["w"], torch.ones(10_000))

@@ -189,8 +189,13 @@ class BlobWriter:
             raise StoreError(f"cannot finish {self.store.url}/{self.rel}: {exc}") from exc
 
     def abort(self) -> None:
+        """Drop a failed write: a pending multipart upload is discarded, not completed."""
         try:
-            self._f.close()
+            discard = getattr(self._f, "discard", None)
+            if discard is not None:
+                discard()
+            else:
+                self._f.close()
         except Exception:  # the write already failed; the object is garbage either way
             pass
         self.store.delete(self.rel)

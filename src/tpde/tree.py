@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from . import dtypes
-from .errors import FormatError, UnsafeContentError
+from .errors import FormatError, UnsafeContentError, UnsupportedError
 
 MapLocation = str | torch.device | dict[str, str] | Callable[[str], str] | None
 
@@ -101,7 +101,7 @@ def flatten(state: Any) -> Flat:
                 if meta is not None:
                     out["meta"] = walk(meta, f"{path}/_metadata")
             return out
-        return {"$pickle": _pickle(obj)}
+        return {"$pickle": _pickle(obj, path)}
 
     skeleton = walk(state, "")
     spans, views = _group(tensors)
@@ -118,9 +118,13 @@ def flatten(state: Any) -> Flat:
     return Flat(fill(skeleton), spans)
 
 
-def _pickle(obj: Any) -> str:
+def _pickle(obj: Any, path: str) -> str:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    try:
+        torch.save(obj, buf)
+    except Exception as exc:  # pickle raises many types (PicklingError, AttributeError, ...)
+        raise UnsupportedError(f"the {type(obj).__name__} at {path.lstrip('/') or '<root>'!r} "
+                               f"cannot be stored ({exc}); store plain data instead") from None
     return base64.b64encode(buf.getvalue()).decode()
 
 
