@@ -35,8 +35,9 @@ class AttachHandle:
         return info
 
     def remove(self) -> None:
-        """Stop saving; the run and its steps stay."""
+        """Stop saving and release the run's writer lease; the run and its steps stay."""
         self._hook.remove()
+        self.checkpointer.close()
 
 
 def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: str, *,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from typing import Any, Iterator
 
@@ -21,29 +20,14 @@ for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "tes
     os.environ.setdefault(var, value)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with one bucket; yields fsspec storage options."""
     pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
+    from campaigns.s3 import moto_server
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="tpde")
-    options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
-    yield {"endpoint": endpoint, "options": options}
-    server.stop()
+    with moto_server() as options:
+        yield {"options": options}
 
 
 @pytest.fixture(params=["local", "memory", "s3"])

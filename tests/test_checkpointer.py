@@ -114,12 +114,14 @@ def test_chain_restores_every_step_and_keyframes_bound_depth(store_url) -> None:
 def test_resumed_writer_continues_with_a_delta(store_url) -> None:
     url, opts = store_url
     states = dict(train_states(3))
-    tpde.Checkpointer(url, storage_options=opts).save(0, states[0])
+    with tpde.Checkpointer(url, storage_options=opts) as first:
+        first.save(0, states[0])
     resumed = tpde.Checkpointer(url, storage_options=opts)
     resumed.load()
     info = resumed.save(1, {"model": states[0]["model"], "optimizer": states[0]["optimizer"], "step": 0})
     assert not info.keyframe and info.codecs.get("same", 0) > 0
     assert resumed.chain.manifest(1).parent == 0
+    resumed.close()
     fresh = tpde.Checkpointer(url, storage_options=opts)
     assert fresh.save(2, states[2]).keyframe  # no load(): nothing to code against
 

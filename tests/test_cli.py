@@ -23,6 +23,7 @@ def run(tmp_path) -> str:
     for step in range(0, 50, 10):
         w.view(-1)[torch.randint(0, w.numel(), (300,), generator=g)] += 1
         ck.save(step, {"w": w, "frozen": torch.ones(1000), "step": step})
+    ck.close()
     return url
 
 
@@ -78,9 +79,9 @@ def test_verify_exit_status_names_the_damaged_tensor(run, capsys) -> None:
 
 
 def test_gc_reports_bytes_freed(run, capsys) -> None:
-    ck = tpde.Checkpointer(run)
-    for step in (0, 10, 20):
-        ck.remove(step)
+    with tpde.Checkpointer(run) as ck:
+        for step in (0, 10, 20):
+            ck.remove(step)
     code, out, _ = call(capsys, "gc", run, "--json", "--grace", "0")
     report = json.loads(out)
     assert code == 0 and report["purged_steps"] == [0, 10, 20] and report["freed_bytes"] > 0

@@ -7,7 +7,7 @@ from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, StepInfo
 from .chain import GcReport, Problem
 from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
                      StepNotFoundError, StoreError, TPDEError, UnsafeContentError,
-                     UnsupportedError)
+                     UnsupportedError, WriterConflictError)
 from tpde.plugins.hook import AttachHandle, attach
 
 __version__ = "0.1.0"
@@ -28,5 +28,6 @@ __all__ = [
     "TPDEError",
     "UnsafeContentError",
     "UnsupportedError",
+    "WriterConflictError",
     "attach",
 ]

@@ -9,6 +9,7 @@ from typing import Any, Iterable
 from . import codec, frames, tree
 from .chain import Chain, GcReport, Problem, Reference
 from .errors import StepNotFoundError
+from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest
 
 #: Chosen on real training chains (benchmarks/README.md): for bf16 weights 8 -> 16 -> 32 gives
@@ -44,12 +45,18 @@ class Checkpointer:
     The writer keeps the last saved (or loaded) step in host memory, in each tensor's own dtype:
     one extra copy of the state, which is what the next delta is coded against.  A new
     ``Checkpointer`` on an existing run starts with a keyframe unless ``load()`` is called first.
+
+    Saving, removing and gc hold the run's writer lease (renewed on each of them; set
+    ``lease_seconds`` above the time between your saves); a second writer is refused with
+    ``WriterConflictError`` until ``close()``, expiry, or the holder's process dying on this host.
+    ``takeover=True`` takes the run from a writer known to be dead.  Loading never waits.
     """
 
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  storage_options: dict[str, Any] | None = None, level: int = frames.DEFAULT_LEVEL,
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
-                 key_margin: float = 0.9) -> None:
+                 key_margin: float = 0.9, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+                 takeover: bool = False) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be >= 1")
         self.run = run
@@ -57,11 +64,18 @@ class Checkpointer:
         self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads,
                                        key_margin=key_margin)
         self.chain = Chain(run, storage_options)
+        self.lease = Lease(self.chain.store, lease_seconds)
+        self._takeover = takeover
         self._reference: Reference | None = None
+
+    def _writing(self) -> None:
+        """Hold or renew the run's writer lease before changing anything."""
+        self.lease.acquire(takeover=self._takeover and not self.lease.held)
 
     def save(self, step: int, state: Any) -> StepInfo:
         """Commit ``state`` (anything you would pass to ``torch.save``) as ``step``."""
         flat = tree.flatten(state)
+        self._writing()
         reference, self._reference = self._reference, None
         manifest, self._reference = self.chain.write(
             step, flat, reference, settings=self.settings, keyframe_every=self.keyframe_every)
@@ -95,12 +109,24 @@ class Checkpointer:
 
     def remove(self, step: int) -> None:
         """Hide ``step``; every other step stays restorable (its bytes go once nothing needs them)."""
+        self._writing()
         self.chain.remove(step)
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
         """Free what no visible step needs, keeping this writer's reference."""
+        self._writing()
         keep: Iterable[int] = [self._reference.step] if self._reference else []
         return self.chain.gc(grace_seconds=grace_seconds, keep=keep)
+
+    def close(self) -> None:
+        """Release the writer lease so another job may write the run; reading needs none."""
+        self.lease.release()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def verify(self, step: int | None = None) -> list[Problem]:
         """Hash-check ``step`` (or every visible step); an empty list means all is well."""

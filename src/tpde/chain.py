@@ -87,9 +87,12 @@ class GcReport:
 
 @dataclass
 class Problem:
+    """Damage found by ``verify``: where it is, and which visible step it breaks."""
+
     step: int
     tensor: str | None
     message: str
+    needed_by: int | None = None
 
 
 class Chain:
@@ -493,9 +496,11 @@ class Chain:
         """Rebuild and hash-check ``step`` (or every visible step); returns what is damaged."""
         problems: list[Problem] = []
         for s in [step] if step is not None else self.steps():
+            found: list[Problem] = []
             try:
-                self.materialize(s, problems=problems, check_every=True, progress=progress)
+                self.materialize(s, problems=found, check_every=True, progress=progress)
             except TPDEError as exc:
-                problems.append(Problem(s, exc.tensor, str(exc.located(run=self.url, step=s))))
-        unique = {(p.step, p.tensor, p.message): p for p in problems}
-        return list(unique.values())
+                exc = exc.located(run=self.url, step=s)
+                found.append(Problem(exc.step if exc.step is not None else s, exc.tensor, str(exc)))
+            problems += [Problem(p.step, p.tensor, p.message, needed_by=s) for p in found]
+        return problems

@@ -20,6 +20,7 @@ from rich.table import Table
 from . import __version__
 from .chain import Chain
 from .errors import TPDEError
+from .lease import Lease
 from .manifest import Manifest
 
 err = Console(stderr=True)
@@ -183,14 +184,21 @@ def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
                           "problems": [vars(p) for p in problems]}))
     elif problems:
         for p in problems:
-            err.print(f"[red]BAD[/red] {p.message}")
+            cause = f" (damage at step {p.step})" if p.step != p.needed_by else ""
+            err.print(f"BAD step {p.needed_by}{cause}: {p.message}", markup=False,
+                      highlight=False, soft_wrap=True)
     else:
         err.print(f"ok: {len(steps)} step(s) of {chain.url} restore bit-exactly")
     return 1 if problems else 0
 
 
 def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
-    report = chain.gc(grace_seconds=args.grace)
+    lease = Lease(chain.store)
+    lease.acquire(takeover=args.force)  # gc must not race a live writer's next delta
+    try:
+        report = chain.gc(grace_seconds=args.grace)
+    finally:
+        lease.release()
     if args.json:
         print(json.dumps(vars(report)))
     else:
@@ -228,6 +236,8 @@ def parser() -> argparse.ArgumentParser:
     c = command("gc", "Delete data no visible step needs and report the bytes freed.")
     c.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="keep unreferenced blobs younger than this (saves may be in progress)")
+    c.add_argument("--force", action="store_true",
+                   help="take the writer lease from a job that died without releasing it")
     return p
 
 

@@ -68,3 +68,7 @@ class UnsupportedError(TPDEError, TypeError):
 
 class StoreError(TPDEError, OSError):
     """The store failed to read or write bytes."""
+
+
+class WriterConflictError(TPDEError):
+    """Another writer holds the run's lease."""

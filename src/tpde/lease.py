@@ -1,0 +1,91 @@
+"""One writer per run: a lease object with an owner and an expiry, on any store.
+
+Writers (save, remove, gc) hold ``lease.json``; readers never look at it, so they are never
+blocked.  A second writer is refused while the lease is live.  It takes over when the lease has
+expired, when the owner's process is gone on this same host, or when asked to (``takeover``).
+Object stores offer no portable compare-and-swap, so acquisition writes the lease and reads it
+back: of two writers racing in the same instant, the one whose write landed last wins and the
+other is refused on its read-back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from .errors import WriterConflictError
+from .store import Store
+
+LEASE = "lease.json"
+DEFAULT_LEASE_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    owner: str
+    host: str
+    pid: int
+    expires: float
+
+    def alive(self, now: float) -> bool:
+        if now >= self.expires:
+            return False
+        if self.host != socket.gethostname():
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+class Lease:
+    """The writer's claim on a run; renewed on every write, released by ``release``."""
+
+    def __init__(self, store: Store, seconds: float = DEFAULT_LEASE_SECONDS) -> None:
+        self.store, self.seconds = store, seconds
+        self.owner = uuid.uuid4().hex
+        self.held = False
+
+    def current(self) -> Holder | None:
+        try:
+            data = json.loads(self.store.read(LEASE))
+            return Holder(str(data["owner"]), str(data["host"]), int(data["pid"]),
+                          float(data["expires"]))
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return None  # a damaged lease protects nothing; the next writer replaces it
+
+    def acquire(self, *, takeover: bool = False) -> None:
+        """Hold (or renew) the lease; raises ``WriterConflictError`` if another writer holds it."""
+        holder = self.current()
+        if holder and holder.owner != self.owner and holder.alive(time.time()) and not takeover:
+            raise self._conflict(holder)
+        mine = Holder(self.owner, socket.gethostname(), os.getpid(), time.time() + self.seconds)
+        self.store.put_atomic(LEASE, json.dumps(asdict(mine)).encode())
+        check = self.current()
+        if check is None or check.owner != self.owner:
+            self.held = False
+            raise self._conflict(check or mine)
+        self.held = True
+
+    def release(self) -> None:
+        """Give the run up, if this writer still holds it."""
+        holder = self.current()
+        if self.held and holder is not None and holder.owner == self.owner:
+            self.store.delete(LEASE)
+        self.held = False
+
+    def _conflict(self, h: Holder) -> WriterConflictError:
+        return WriterConflictError(
+            f"another writer holds this run (host {h.host}, pid {h.pid}, lease until "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h.expires))}); two writers would "
+            "corrupt each other's deltas. Wait for it to finish, or pass takeover=True "
+            "(CLI: --force) if that job is dead.", run=self.store.url)
