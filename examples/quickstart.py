@@ -104,6 +104,8 @@ def main(root: str) -> None:
                       f" -> {info.stored_bytes / 1e6:.2f} MB ({info.ratio:.2f}x) "
                       f"{'keyframe' if info.keyframe else 'delta'} {info.codecs}")
 
+    full.close()  # release the runs' writer leases: other jobs may now write them
+    weights.close()
     print()
     for name, t in totals.items():
         chain = tpde.Checkpointer(f"{root}/{name}")

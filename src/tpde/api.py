@@ -46,6 +46,11 @@ class Checkpointer:
     one extra copy of the state, which is what the next delta is coded against.  A new
     ``Checkpointer`` on an existing run starts with a keyframe unless ``load()`` is called first.
 
+    ``reference="store"`` keeps no such copy: each tensor's previous version is read back from
+    the chain while it is encoded, so saving a state larger than the free memory works, with
+    extra memory bounded by ``max_inflight_bytes`` (tensors being encoded at once), at the cost
+    of reading and decoding the previous step on every save.
+
     Saving, removing and gc hold the run's writer lease (renewed on each of them; set
     ``lease_seconds`` above the time between your saves); a second writer is refused with
     ``WriterConflictError`` until ``close()``, expiry, or the holder's process dying on this host.
@@ -56,9 +61,14 @@ class Checkpointer:
                  storage_options: dict[str, Any] | None = None, level: int = frames.DEFAULT_LEVEL,
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
                  key_margin: float = 0.9, lease_seconds: float = DEFAULT_LEASE_SECONDS,
-                 takeover: bool = False) -> None:
+                 takeover: bool = False, reference: str = "host",
+                 max_inflight_bytes: int = 256 << 20) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be >= 1")
+        if reference not in ("host", "store"):
+            raise ValueError('reference must be "host" or "store"')
+        self.keep_reference = reference == "host"
+        self.max_inflight_bytes = max_inflight_bytes
         self.run = run
         self.keyframe_every = keyframe_every
         self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads,
@@ -78,7 +88,8 @@ class Checkpointer:
         self._writing()
         reference, self._reference = self._reference, None
         manifest, self._reference = self.chain.write(
-            step, flat, reference, settings=self.settings, keyframe_every=self.keyframe_every)
+            step, flat, reference, settings=self.settings, keyframe_every=self.keyframe_every,
+            keep_reference=self.keep_reference, max_inflight_bytes=self.max_inflight_bytes)
         return StepInfo.of(manifest)
 
     def load(self, step: int | None = None, map_location: tree.MapLocation = None, *,
@@ -93,7 +104,7 @@ class Checkpointer:
                 raise StepNotFoundError("the run has no steps yet", run=self.run)
         state, words = self.chain.load(step, map_location=map_location, trusted=trusted)
         m = self.chain.manifest(step)
-        self._reference = Reference(step, m.depth, words,
+        self._reference = Reference(step, m.depth, words if self.keep_reference else {},
                                     {r.name: r for r in m.records})
         return state
 

@@ -154,11 +154,16 @@ class Chain:
 
     # ------------------------------------------------------------------ writing
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
-              settings: codec.Settings, keyframe_every: int) -> tuple[Manifest, Reference]:
+              settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
+              max_inflight_bytes: int = 256 << 20) -> tuple[Manifest, Reference]:
         """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
 
-        ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near one
-        copy of the state; callers drop the reference if this raises.
+        With ``keep_reference`` the returned reference holds a host copy of every tensor, and
+        ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near
+        one copy of the state. Without it nothing is kept: each tensor's reference is re-read
+        from the committed chain when it is encoded. Either way at most ``max_inflight_bytes``
+        of tensors (and at least one) are being encoded at once. Callers drop the reference if
+        this raises.
         """
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
@@ -172,13 +177,19 @@ class Chain:
         records: list[Record] = []
         new_words: dict[str, torch.Tensor] = {}
 
-        def encode(span: tree.Span) -> tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]:
+        def encode(span: tree.Span) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
             dt = dtypes.of_tensor(span.tensor, name=span.name)
             words = codec.to_words(span.tensor.detach(), dt.word_dtype)
-            host = words.to("cpu", copy=True)
-            ref_words = None if keyframe else reference.words.pop(span.name, None)
+            host = words.to("cpu", copy=True) if keep_reference or words.is_cuda else words
+            if keyframe:
+                ref_words = None
+            elif keep_reference:
+                ref_words = reference.words.pop(span.name, None)
+            else:
+                ref_words = self._stored_words(reference, span.name)
             enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
-            return dt, host, enc, content_hash(host.view(torch.uint8).numpy())
+            return dt, host if keep_reference else None, enc, content_hash(
+                host.view(torch.uint8).numpy())
 
         def commit(span: tree.Span, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]) -> None:
             dt, host, enc, digest = done
@@ -197,17 +208,23 @@ class Chain:
             rec = Record(span.name, dt.name, span.tensor.numel(), span.device, enc.codec, digest,
                          ref, enc.residual, enc.count, sections)
             records.append(rec)
-            new_words[span.name] = host
+            if host is not None:
+                new_words[span.name] = host
 
         try:
             workers = settings.threads or frames.default_threads()
             with ThreadPoolExecutor(workers, thread_name_prefix="tpde-encode") as pool:
                 pending: deque[tuple[tree.Span, Future]] = deque()
+                inflight = 0
                 for span in flat.spans:
-                    pending.append((span, pool.submit(encode, span)))
-                    if len(pending) > 2 * workers:
+                    size = span.tensor.numel() * span.tensor.element_size()
+                    while pending and (len(pending) >= 2 * workers
+                                       or inflight + size > max_inflight_bytes):
                         done_span, fut = pending.popleft()
                         commit(done_span, fut.result())
+                        inflight -= done_span.tensor.numel() * done_span.tensor.element_size()
+                    pending.append((span, pool.submit(encode, span)))
+                    inflight += size
                 while pending:
                     done_span, fut = pending.popleft()
                     commit(done_span, fut.result())
@@ -227,6 +244,12 @@ class Chain:
         self.store.put_atomic(f"{STEPS}/{_name(step)}.json", data)
         self._manifests[step] = m = parse(data, step=step)
         return m, Reference(step, m.depth, new_words, {r.name: r for r in records})
+
+    def _stored_words(self, reference: Reference, name: str) -> torch.Tensor | None:
+        """The reference step's words of one tensor, read back from the store."""
+        if name not in reference.records:
+            return None
+        return self.materialize(reference.step, [name])[name]
 
     def _make_room(self, step: int) -> None:
         """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""

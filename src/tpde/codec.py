@@ -227,7 +227,7 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
 
 
 # ---------------------------------------------------------------- decoding
-def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.Tensor | None,
+def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], ref: torch.Tensor | None,
            n: int, word_dtype: torch.dtype, kind: str,
            positions: np.ndarray | None = None, inplace: bool = False) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
@@ -265,9 +265,12 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes], ref: torch.T
     raise FormatError(f"unknown codec {codec!r}")
 
 
-def _words_from(sections: dict[str, bytes], name: str, word_dtype: torch.dtype) -> torch.Tensor:
+def _words_from(sections: dict[str, bytes | bytearray], name: str,
+                word_dtype: torch.dtype) -> torch.Tensor:
     if name not in sections:
         raise FormatError(f"record lacks its {name!r} section")
-    planes = torch.frombuffer(bytearray(sections[name]), dtype=torch.uint8) \
-        if sections[name] else torch.empty(0, dtype=torch.uint8)
+    data = sections[name]
+    if not isinstance(data, bytearray):
+        data = bytearray(data)
+    planes = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return unshuffle(planes, word_dtype)

@@ -53,16 +53,16 @@ def compress(data: memoryview | bytes, *, level: int = DEFAULT_LEVEL, chunk: int
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
         raise ValueError(f"chunk must be in [{MIN_CHUNK}, {MAX_CHUNK}] bytes")
     view = memoryview(data).cast("B")
-    pieces = [view[i : i + chunk] for i in range(0, len(view), chunk)]
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    if len(pieces) <= 1:
-        frames = tuple(cctx.compress(p) for p in pieces)
-    else:
-        out = cctx.multi_compress_to_buffer(
-            [bytes(p) for p in pieces], threads=threads or default_threads()
-        )
-        frames = tuple(seg.tobytes() for seg in out)
-    return Section(len(view), chunk, frames)
+    if len(view) <= chunk:
+        return Section(len(view), chunk, (cctx.compress(view),) if len(view) else ())
+    # The chunks are segments of the caller's buffer: no copy of the data before compressing.
+    starts = range(0, len(view), chunk)
+    segments = struct.pack(f"={2 * len(starts)}Q",
+                           *(v for a in starts for v in (a, min(chunk, len(view) - a))))
+    out = cctx.multi_compress_to_buffer(zstandard.BufferWithSegments(view, segments),
+                                        threads=threads or default_threads())
+    return Section(len(view), chunk, tuple(seg.tobytes() for seg in out))
 
 
 def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
@@ -76,7 +76,7 @@ def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
 
 
 def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
-               threads: int | None = None) -> bytes:
+               threads: int | None = None) -> bytearray:
     """Decompress frames back to one stream of exactly ``raw`` bytes.
 
     The expected size of every chunk is passed to zstd, so a frame that claims or produces more
@@ -86,7 +86,7 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
     if len(sizes) != len(frames):
         raise FormatError("chunk count does not match the stream's raw size")
     if not frames:
-        return b""
+        return bytearray()
     dctx = zstandard.ZstdDecompressor()
     try:
         declared = [zstandard.get_frame_parameters(f).content_size for f in frames]
@@ -105,4 +105,4 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
         raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
     if [len(o) for o in out] != sizes:
         raise FormatError("a zstd frame decoded to the wrong number of bytes")
-    return out[0] if len(out) == 1 else b"".join(out)
+    return bytearray().join(out)  # writable: callers wrap it in a tensor without a copy

@@ -7,9 +7,11 @@ rename on local disk after fsync, a single PUT on object stores, which are atomi
 from __future__ import annotations
 
 import os
+import random
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -17,6 +19,9 @@ from fsspec.implementations.local import LocalFileSystem
 from .errors import StoreError
 
 _INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+T = TypeVar("T")
+#: Attempts per remote operation and the backoff between them (doubling, with jitter).
+RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,24 @@ class Store:
             raise StoreError(f"cannot open {url!r}: install {pkg} ({exc})") from None
         self.root = self.root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+
+    def _retry(self, what: str, op: Callable[[], T]) -> T:
+        """Run ``op``, retrying transient failures of remote stores with backoff.
+
+        A missing object is an answer, not a failure; local disks are not retried (their errors
+        are not transient). Any other backend exception ends as a ``StoreError``.
+        """
+        for attempt in range(1 if self.local else RETRIES):
+            try:
+                return op()
+            except FileNotFoundError:
+                raise
+            except Exception as exc:  # backends raise OSError, timeouts, aiohttp/botocore errors
+                last = exc
+                if attempt + 1 < (1 if self.local else RETRIES):
+                    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt)
+                    time.sleep(delay * (0.5 + random.random()))
+        raise StoreError(f"cannot {what} {self.url}: {type(last).__name__}: {last}") from last
 
     def _abs(self, rel: str) -> str:
         return f"{self.root}/{rel}" if self.root else rel
@@ -64,9 +87,23 @@ class Store:
                 os.replace(tmp, path)
                 _fsync_dir(os.path.dirname(path))
             else:
-                self.fs.pipe_file(path, data)
+                self._retry(f"write {rel} in", lambda: self._put_once(path, data))
         except OSError as exc:
             raise StoreError(f"cannot write {self.url}/{rel}: {exc}") from exc
+
+    def _put_once(self, path: str, data: bytes) -> None:
+        """One PUT; when its outcome is unknown (the reply was lost), the object decides."""
+        try:
+            self.fs.pipe_file(path, data)
+        except FileNotFoundError:
+            raise
+        except Exception:
+            try:
+                if self.fs.cat_file(path) == data:
+                    return  # the PUT landed; only the reply was lost
+            except Exception:  # nothing readable yet: the PUT did not land, retry it
+                pass
+            raise
 
     def open_write(self, rel: str) -> "BlobWriter":
         """A streaming writer for a new, not yet committed object."""
@@ -74,48 +111,36 @@ class Store:
 
     def delete(self, rel: str) -> None:
         try:
-            self.fs.rm_file(self._abs(rel))
+            self._retry(f"delete {rel} in", lambda: self.fs.rm_file(self._abs(rel)))
         except FileNotFoundError:
             pass
-        except OSError as exc:
-            raise StoreError(f"cannot delete {self.url}/{rel}: {exc}") from exc
 
     # ------------------------------------------------------------------ reads
     def read(self, rel: str) -> bytes:
-        try:
-            return self.fs.cat_file(self._abs(rel))
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise StoreError(f"cannot read {self.url}/{rel}: {exc}") from exc
+        return self._retry(f"read {rel} in", lambda: self.fs.cat_file(self._abs(rel)))
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Several ``[start, end)`` ranges of one object, fetched concurrently where possible."""
         if not ranges:
             return []
         path = self._abs(rel)
-        try:
-            out = self.fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges],
-                                     [b for _, b in ranges], on_error="raise")
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise StoreError(f"cannot read {self.url}/{rel}: {exc}") from exc
+        out = self._retry(f"read {rel} in", lambda: self.fs.cat_ranges(
+            [path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
+            on_error="raise"))
         for data, (a, b) in zip(out, ranges):
-            if isinstance(data, Exception):
-                raise StoreError(f"cannot read {self.url}/{rel}: {data}")
             if len(data) != b - a:
                 raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
                                  f"(range {a}-{b} gave {len(data)} bytes)")
         return list(out)
 
     def exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._abs(rel)))
+        return bool(self._retry(f"look up {rel} in", lambda: self.fs.exists(self._abs(rel))))
 
     def list(self, prefix: str) -> Iterator[Entry]:
         """Objects under ``prefix`` (one level), with sizes and modification times."""
         try:
-            items = self.fs.ls(self._abs(prefix), detail=True)
+            items = self._retry(f"list {prefix} in",
+                                lambda: self.fs.ls(self._abs(prefix), detail=True, refresh=True))
         except FileNotFoundError:
             return
         for item in items:
@@ -173,7 +198,7 @@ class BlobWriter:
         at = self.size
         try:
             self._f.write(data)
-        except OSError as exc:
+        except Exception as exc:  # remote backends also raise timeouts and client errors
             raise StoreError(f"cannot write {self.store.url}/{self.rel}: {exc}") from exc
         self.size += len(data)
         return at
@@ -185,7 +210,7 @@ class BlobWriter:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
-        except OSError as exc:
+        except Exception as exc:  # remote backends also raise timeouts and client errors
             raise StoreError(f"cannot finish {self.store.url}/{self.rel}: {exc}") from exc
 
     def abort(self) -> None:

@@ -16,6 +16,6 @@ OUT = os.path.join(os.path.dirname(__file__), "chain-v1")
 
 if __name__ == "__main__":
     shutil.rmtree(OUT, ignore_errors=True)
-    ck = tpde.Checkpointer(OUT, keyframe_every=3, chunk_bytes=4096)
-    for step, state in enumerate(golden_states()):
-        print(ck.save(step, state))
+    with tpde.Checkpointer(OUT, keyframe_every=3, chunk_bytes=4096) as ck:
+        for step, state in enumerate(golden_states()):
+            print(ck.save(step, state))

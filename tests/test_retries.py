@@ -1,0 +1,73 @@
+"""Remote stores fail transiently: writes and reads retry, a lost reply is resolved by the object."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.memory import MemoryFileSystem
+
+import tpde
+from tpde import store
+
+
+class Failing(MemoryFileSystem):
+    """An in-memory store whose next calls fail as a flaky object store's do."""
+
+    protocol = "failing"
+    faults: list[str] = []
+
+    def _fault(self, op: str) -> str | None:
+        if self.faults and self.faults[0].startswith(op):
+            return self.faults.pop(0)
+        return None
+
+    def pipe_file(self, path, value, **kwargs):
+        fault = self._fault("put")
+        if fault == "put-500":
+            raise OSError(500, "InternalError (injected)")
+        super().pipe_file(path, value, **kwargs)
+        if fault == "put-lost":
+            raise TimeoutError("reply lost after the write landed (injected)")
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if self._fault("get"):
+            raise ConnectionResetError("connection dropped (injected)")
+        return super().cat_file(path, start=start, end=end, **kwargs)
+
+
+@pytest.fixture()
+def failing(monkeypatch) -> str:
+    monkeypatch.setattr(store, "BACKOFF_S", 0.001)
+    fsspec.register_implementation("failing", Failing, clobber=True)
+    Failing.faults = []
+    return f"failing://{uuid.uuid4().hex[:10]}"
+
+
+def test_transient_failures_are_retried(failing) -> None:
+    ck = tpde.Checkpointer(failing)
+    ck.save(0, {"w": torch.ones(10)})
+    Failing.faults = ["put-500", "put-500", "get", "get"]
+    ck.save(1, {"w": torch.zeros(10)})
+    assert Failing.faults == []  # every injected fault was hit and retried
+    assert torch.equal(tpde.Checkpointer(failing).load(1)["w"], torch.zeros(10))
+
+
+def test_a_lost_reply_after_the_write_counts_as_committed(failing) -> None:
+    ck = tpde.Checkpointer(failing)
+    ck.save(0, {"w": torch.ones(10)})
+    Failing.faults = ["put-lost"] * 3  # the lease, then the manifest: both landed
+    info = ck.save(1, {"w": torch.zeros(10)})
+    assert info.step == 1 and tpde.Checkpointer(failing).steps() == [0, 1]
+
+
+def test_persistent_failure_is_a_clean_store_error(failing) -> None:
+    ck = tpde.Checkpointer(failing)
+    ck.save(0, {"w": torch.ones(10)})
+    Failing.faults = ["put-500"] * (store.RETRIES * 2)
+    with pytest.raises(tpde.StoreError, match="InternalError"):
+        ck.save(1, {"w": torch.zeros(10)})
+    Failing.faults = []
+    assert tpde.Checkpointer(failing).steps() == [0]
