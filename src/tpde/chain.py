@@ -102,6 +102,7 @@ class Chain:
         self.url = url
         self.store = Store(url, storage_options)
         self._manifests: dict[int, Manifest] = {}
+        self._known_run = False
 
     # ------------------------------------------------------------------ listing
     def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
@@ -125,12 +126,14 @@ class Chain:
 
     def steps(self) -> list[int]:
         """Visible steps, oldest first."""
-        self.store.invalidate()
         hidden = self.hidden()
         return [s for s in self.committed() if s not in hidden]
 
     def is_run(self) -> bool:
-        return self.store.exists(MARKER)
+        # A run never stops being one: once seen, the marker is not asked for again.
+        if not self._known_run:
+            self._known_run = self.store.exists(MARKER)
+        return self._known_run
 
     def require_run(self) -> None:
         if not self.is_run():

@@ -76,18 +76,18 @@ class Store:
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``data`` so that readers see the whole object or none of it."""
         path = self._abs(rel)
+        if not self.local:
+            self._retry(f"write {rel} in", lambda: self._put_once(path, data))
+            return
         try:
-            if self.local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                _fsync_dir(os.path.dirname(path))
-            else:
-                self._retry(f"write {rel} in", lambda: self._put_once(path, data))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path))
         except OSError as exc:
             raise StoreError(f"cannot write {self.url}/{rel}: {exc}") from exc
 
@@ -148,9 +148,6 @@ class Store:
                 continue
             yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item))
 
-    def invalidate(self) -> None:
-        """Forget cached listings so another writer's new objects are seen."""
-        self.fs.invalidate_cache()
 
 
 def _mtime(item: dict[str, Any]) -> float | None:

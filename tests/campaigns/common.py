@@ -31,12 +31,3 @@ def build(url: str, options: dict | None, steps: int, *, keyframe_every: int = 3
             expected[step] = state_at(step)
             ck.save(step, expected[step])
     return expected
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return a == b

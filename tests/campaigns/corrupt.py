@@ -21,7 +21,8 @@ from collections import Counter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tpde  # noqa: E402
-from campaigns.common import build, same  # noqa: E402
+from campaigns.common import build  # noqa: E402
+from helpers import assert_same  # noqa: E402
 
 STEPS = 7
 
@@ -85,7 +86,7 @@ def campaign(trials: int, seed: int = 0) -> Counter:
                         f"step {step} failed although {target} is not among what it reads"
                     failed.add(step)
                     continue
-                assert same(expected[step], out), f"SILENT WRONG RESULT: step {step}, {target}"
+                assert_same(expected[step], out, f"SILENT WRONG RESULT? step {step}, {target}")
             reported = {p.needed_by for p in tpde.Checkpointer(run).verify()}
             # A step whose own manifest was deleted is no longer a step: nothing to report.
             gone = {s for s in failed if f"steps/{s:020d}.json" == target and

@@ -21,7 +21,8 @@ from typing import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tpde  # noqa: E402
-from campaigns.common import build, same, state_at  # noqa: E402
+from campaigns.common import build, state_at  # noqa: E402
+from helpers import assert_same  # noqa: E402
 from tpde import store  # noqa: E402
 
 #: Everything tpde does that touches a store passes through one of these.
@@ -63,7 +64,7 @@ def check(url: str, options: dict | None, expected: dict[int, dict], action: str
     assert ck.verify() == [], "verify failed after a kill"
     for step in visible:
         want = expected.get(step) or state_at(step)
-        assert same(want, ck.load(step)), f"step {step} does not restore bit-exactly"
+        assert_same(want, ck.load(step), f"step {step}")
     ck.gc(grace_seconds=0)
     live = {ck.chain.manifest(s).blob for s in ck.chain.committed()}
     left = {e.path for e in ck.chain.store.list("data")} - live
