@@ -50,6 +50,8 @@ def test_info_reports_each_tensor(run, capsys) -> None:
     assert code == 0
     assert tensors["w"]["codec"] == "sparse" and 0 < tensors["w"]["density"] < 0.01
     assert tensors["frozen"]["codec"] == "same" and tensors["frozen"]["stored_bytes"] == 0
+    code, out, _ = call(capsys, "info", run, "--json")  # no --step: the latest
+    assert code == 0 and json.loads(out)["step"] == tpde.Checkpointer(run).latest()
 
 
 def test_restore_writes_plain_torch_and_safetensors_files(run, tmp_path, capsys) -> None:
@@ -93,7 +95,7 @@ def test_errors_exit_1_and_usage_exits_2(run, tmp_path, capsys) -> None:
     code, out, _ = call(capsys, "ls", str(tmp_path / "nothing"), "--json")
     assert code == 1 and json.loads(out)["error"] == "NotARunError"
     with pytest.raises(SystemExit) as exc:
-        main(["info", run])
+        main(["restore", run])  # no --output
     assert exc.value.code == 2
 
 

@@ -3,8 +3,11 @@
 Keyframes plus temporal deltas of training state, lossless and hash-checked, in any fsspec store.
 """
 
-from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, StepInfo
+from typing import Any
+
+from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, snapshot
 from .chain import GcReport, Problem
+from .entry import load_checkpoint
 from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
                      StepNotFoundError, StoreError, TPDEError, UnsafeContentError,
                      UnsupportedError, WriterConflictError)
@@ -23,11 +26,24 @@ __all__ = [
     "Problem",
     "StepExistsError",
     "StepInfo",
+    "Snapshot",
     "StepNotFoundError",
     "StoreError",
+    "TPDECheckpointIO",
     "TPDEError",
     "UnsafeContentError",
     "UnsupportedError",
     "WriterConflictError",
     "attach",
+    "load_checkpoint",
+    "snapshot",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Lightning is an optional dependency, imported only when its plugin is asked for.
+    if name == "TPDECheckpointIO":
+        from tpde.plugins.lightning import TPDECheckpointIO
+
+        return TPDECheckpointIO
+    raise AttributeError(f"module 'tpde' has no attribute {name!r}")

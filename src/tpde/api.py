@@ -6,7 +6,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import codec, frames, tree
+import torch
+
+from . import codec, dtypes, frames, tree
 from .chain import Chain, GcReport, Problem, Reference
 from .errors import StepNotFoundError
 from .lease import DEFAULT_LEASE_SECONDS, Lease
@@ -37,6 +39,45 @@ class StepInfo:
     def of(cls, m: Manifest) -> "StepInfo":
         return cls(m.step, m.keyframe, m.raw_bytes, m.stored_bytes, m.seconds,
                    dict(Counter(r.codec for r in m.records)))
+
+
+@dataclass
+class Snapshot:
+    """A private point-in-time copy of a state, taken on the training thread and saved later.
+
+    Saving it costs no further copy: its tensors become the writer's reference as they are.
+    """
+
+    flat: tree.Flat
+    raw_bytes: int
+
+
+def snapshot(state: Any, *, device: str | torch.device = "cpu") -> Snapshot:
+    """Copy every tensor of ``state`` to ``device`` now; non-tensor values are serialised now.
+
+    Shared storages are copied once and stay shared. From CUDA, copies to the host go through
+    pinned memory and synchronise once at the end.
+    """
+    flat = tree.flatten(state)
+    target = torch.device(device)
+    pinned = target.type == "cpu" and torch.cuda.is_available()
+    raw, synced = 0, False
+    for span in flat.spans:
+        src = span.tensor.detach()
+        dt = dtypes.of_tensor(src, name=span.name)
+        words = codec.to_words(src, dt.word_dtype)
+        if words.device == target and target.type == "cpu":
+            copy = words.clone()
+        else:
+            copy = torch.empty(words.shape, dtype=words.dtype, device=target,
+                               pin_memory=pinned and words.is_cuda)
+            copy.copy_(words, non_blocking=words.is_cuda)
+            synced = synced or words.is_cuda
+        span.tensor = copy.view(torch.uint8).view(src.dtype)
+        raw += copy.numel() * copy.element_size()
+    if synced:
+        torch.cuda.synchronize()
+    return Snapshot(flat, raw)
 
 
 class Checkpointer:
@@ -83,14 +124,21 @@ class Checkpointer:
         self.lease.acquire(takeover=self._takeover and not self.lease.held)
 
     def save(self, step: int, state: Any) -> StepInfo:
-        """Commit ``state`` (anything you would pass to ``torch.save``) as ``step``."""
-        flat = tree.flatten(state)
+        """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``)."""
+        owned = isinstance(state, Snapshot)
+        flat = state.flat if owned else tree.flatten(state)
         self._writing()
         reference, self._reference = self._reference, None
         manifest, self._reference = self.chain.write(
             step, flat, reference, settings=self.settings, keyframe_every=self.keyframe_every,
-            keep_reference=self.keep_reference, max_inflight_bytes=self.max_inflight_bytes)
+            keep_reference=self.keep_reference, max_inflight_bytes=self.max_inflight_bytes,
+            owned=owned)
         return StepInfo.of(manifest)
+
+    def next_step(self) -> int:
+        """One past the highest step ever committed here, taken under this writer's lease."""
+        self._writing()
+        return max(self.chain.committed(), default=0) + 1
 
     def load(self, step: int | None = None, map_location: tree.MapLocation = None, *,
              trusted: bool = False) -> Any:

@@ -158,7 +158,7 @@ class Chain:
     # ------------------------------------------------------------------ writing
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
               settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
-              max_inflight_bytes: int = 256 << 20) -> tuple[Manifest, Reference]:
+              max_inflight_bytes: int = 256 << 20, owned: bool = False) -> tuple[Manifest, Reference]:
         """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
 
         With ``keep_reference`` the returned reference holds a host copy of every tensor, and
@@ -166,7 +166,8 @@ class Chain:
         one copy of the state. Without it nothing is kept: each tensor's reference is re-read
         from the committed chain when it is encoded. Either way at most ``max_inflight_bytes``
         of tensors (and at least one) are being encoded at once. Callers drop the reference if
-        this raises.
+        this raises. ``owned`` says the spans are private host copies (a snapshot), so they
+        become the next reference as they are instead of being copied again.
         """
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
@@ -183,7 +184,8 @@ class Chain:
         def encode(span: tree.Span) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
             dt = dtypes.of_tensor(span.tensor, name=span.name)
             words = codec.to_words(span.tensor.detach(), dt.word_dtype)
-            host = words.to("cpu", copy=True) if keep_reference or words.is_cuda else words
+            copy = words.is_cuda or (keep_reference and not owned)
+            host = words.to("cpu", copy=True) if copy else words
             if keyframe:
                 ref_words = None
             elif keep_reference:
@@ -191,8 +193,10 @@ class Chain:
             else:
                 ref_words = self._stored_words(reference, span.name)
             enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
-            return dt, host if keep_reference else None, enc, content_hash(
-                host.view(torch.uint8).numpy())
+            # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
+            digest = (reference.records[span.name].hash if enc.codec == "same"
+                      else content_hash(host.view(torch.uint8).numpy()))
+            return dt, host if keep_reference else None, enc, digest
 
         def commit(span: tree.Span, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]) -> None:
             dt, host, enc, digest = done

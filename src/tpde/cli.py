@@ -18,6 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from . import __version__
+from . import entry as entries
 from .chain import Chain
 from .errors import TPDEError
 from .lease import Lease
@@ -100,7 +101,7 @@ def _out() -> Console:
 
 
 def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
-    m = chain.manifest(args.step)
+    m = chain.manifest(args.step if args.step is not None else _latest(chain))
     tensors = [{
         "name": r.name, "dtype": r.dtype, "numel": r.numel, "device": r.device, "codec": r.codec,
         "residual": r.residual, "ref": r.ref,
@@ -195,15 +196,21 @@ def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
 def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
     lease = Lease(chain.store)
     lease.acquire(takeover=args.force)  # gc must not race a live writer's next delta
+    hidden: list[int] = []
     try:
+        if args.entries is not None:  # a checkpoint folder: steps no entry names go first
+            hidden = entries.orphans(chain, args.entries, args.options)
+            for step in hidden:
+                chain.remove(step)
         report = chain.gc(grace_seconds=args.grace)
     finally:
         lease.release()
     if args.json:
-        print(json.dumps(vars(report)))
+        print(json.dumps({**vars(report), "hidden_steps": hidden}))
     else:
+        note = f"; hid steps no checkpoint entry names: {hidden}" if hidden else ""
         err.print(f"freed {_mb(report.freed_bytes)} in {len(report.deleted)} object(s); "
-                  f"purged steps: {report.purged_steps or 'none'}")
+                  f"purged steps: {report.purged_steps or 'none'}{note}")
     return 0
 
 
@@ -215,7 +222,8 @@ def parser() -> argparse.ArgumentParser:
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
-        c.add_argument("run", help="the run's URL or path (file, s3://, gs://, memory://, ...)")
+        c.add_argument("run", help="the run's URL or path (file, s3://, gs://, memory://, ...), "
+                       "a checkpoint folder of TPDECheckpointIO, or one checkpoint entry in it")
         c.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                        help="fsspec storage option, repeatable (e.g. client_kwargs.endpoint_url=...)")
         c.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -224,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
 
     command("ls", "List the visible steps with codec mix, raw and stored bytes, ratio.")
     c = command("info", "Per-tensor codec, changed density, bytes and ratio of one step.")
-    c.add_argument("--step", type=int, required=True)
+    c.add_argument("--step", type=int, help="step (default: the entry's, else the latest)")
     c = command("restore", "Write a step as a file that plain torch.load (or safetensors) reads.")
     c.add_argument("--step", type=int, help="step to restore (default: the latest)")
     c.add_argument("--output", required=True, help="file to write")
@@ -245,10 +253,31 @@ COMMANDS = {"ls": cmd_ls, "info": cmd_info, "restore": cmd_restore, "verify": cm
             "gc": cmd_gc}
 
 
+def _resolve(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Chain, str | None]:
+    """The chain RUN names, and the checkpoint folder whose entries are its roots, if any.
+
+    A checkpoint entry stands for its step (unless ``--step`` says otherwise).
+    """
+    target = args.run.rstrip("/")
+    if entries.is_entry_folder(target, options):
+        return Chain(f"{target}/{entries.CHAIN_DIR}", options), target
+    chain = Chain(target, options)
+    fs = chain.store.fs
+    if not chain.is_run() and fs.isfile(chain.store.root):
+        found = entries.read(target, options)
+        if found is not None:
+            chain = entries.chain_for(target, found, options)
+            entries.check(chain, found.step, found.blob, target)
+            if getattr(args, "step", None) is None:
+                args.step = found.step
+    return chain, None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        chain = Chain(args.run, _options(args.storage_option))
+        args.options = _options(args.storage_option)
+        chain, args.entries = _resolve(args, args.options)
         return COMMANDS[args.command](chain, args)
     except TPDEError as exc:
         if getattr(args, "json", False):

@@ -78,8 +78,10 @@ class Lease:
 
     def release(self) -> None:
         """Give the run up, if this writer still holds it."""
+        if not self.held:
+            return
         holder = self.current()
-        if self.held and holder is not None and holder.owner == self.owner:
+        if holder is not None and holder.owner == self.owner:
             self.store.delete(LEASE)
         self.held = False
 

@@ -1,0 +1,372 @@
+"""``TPDECheckpointIO``: Lightning's checkpoint I/O, writing into a tpde chain beside the files.
+
+Every checkpoint path gets a small entry (see ``tpde.entry``) written after its step has
+committed to the chain in ``<dirpath>/.tpde``, so ``ModelCheckpoint`` keeps doing what it does
+with files: existence checks, ``last*.ckpt`` listing, modification times, top-k removal.
+Saves are asynchronous: the training thread only snapshots the state; one background worker
+encodes, uploads and commits saves and removals in the order they were asked for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import Any, Callable
+
+import torch
+
+from tpde import entry as entries
+from tpde import frames
+from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, snapshot
+from tpde.errors import UnsupportedError
+from tpde.lease import DEFAULT_LEASE_SECONDS
+from tpde.store import Store
+
+log = logging.getLogger("tpde.lightning")
+
+
+def _import_all(names: tuple[str, ...], attr: str) -> list[Any]:
+    found = []
+    for name in names:
+        try:
+            found.append(getattr(importlib.import_module(name), attr))
+        except ImportError:
+            pass
+    return found
+
+
+_BASES = _import_all(("lightning.fabric.plugins", "lightning_fabric.plugins"), "CheckpointIO")
+if not _BASES:
+    raise ImportError("TPDECheckpointIO needs Lightning: pip install 'tpde[lightning]'")
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one checkpoint cost: bytes, and how long the training loop waited for it."""
+
+    path: str
+    step: int
+    keyframe: bool
+    raw_bytes: int
+    stored_bytes: int
+    stall_ms: float  # the training thread: waiting for room, then the snapshot
+    write_seconds: float  # the background: encode, upload, commit, entry
+    codecs: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(1, self.stored_bytes)
+
+
+def _local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _split(path: str) -> tuple[str, str]:
+    """(folder, name) of a checkpoint path; local folders absolute."""
+    if _local(path):
+        path = os.path.abspath(path.removeprefix("file://"))
+        return os.path.dirname(path), os.path.basename(path)
+    head, _, name = path.rpartition("/")
+    return head, name
+
+
+def _rank() -> int:
+    for rank_zero in _import_all(("lightning.fabric.utilities.rank_zero",
+                                  "lightning_fabric.utilities.rank_zero"), "rank_zero_only"):
+        rank = getattr(rank_zero, "rank", None)
+        if rank is not None:
+            return int(rank)
+    return 0
+
+
+class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
+    """Lightning ``CheckpointIO`` storing checkpoints as a tpde chain; a drop-in for the default.
+
+    ``Trainer(plugins=[TPDECheckpointIO()])`` and nothing else changes: ``ModelCheckpoint``
+    (top-k, ``save_last`` including ``"link"``), ``trainer.save_checkpoint`` and
+    ``fit(ckpt_path="last" | "best" | path)`` work locally and on any fsspec store.
+
+    ``async_save`` (default): ``save_checkpoint`` returns once the state is copied
+    (``device="cpu"``: to host memory; ``"cuda"``: on the GPU, encoded there); at most
+    ``max_pending`` saves wait behind the running one, after which the training thread waits.
+    ``teardown()`` waits for everything and raises a deferred error; the plugin stays usable.
+    """
+
+    def __init__(self, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+                 level: int = frames.DEFAULT_LEVEL, threads: int | None = None,
+                 device: str = "cpu", storage_options: dict[str, Any] | None = None,
+                 async_save: bool = True, max_pending: int = 1,
+                 lease_seconds: float = DEFAULT_LEASE_SECONDS, takeover: bool = False,
+                 chain_dir: str = entries.CHAIN_DIR) -> None:
+        super().__init__()
+        if max_pending < 0:
+            raise ValueError("max_pending must be >= 0")
+        self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
+                            lease_seconds=lease_seconds, takeover=takeover)
+        self.device = device
+        self.storage_options = dict(storage_options or {})
+        self.async_save = async_save
+        self.chain_dir = chain_dir
+        self.reports: list[SaveReport] = []
+        self.freed_bytes = 0
+        self.max_pending = max_pending
+        self._start()
+
+    def _start(self) -> None:
+        self._runs: dict[str, Checkpointer] = {}
+        self._next: dict[str, int] = {}
+        self._room = threading.Semaphore(self.max_pending + 1)
+        self._jobs: Queue[Callable[[], None]] = Queue()
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        _LIVE.add(self)
+
+    # ------------------------------------------------------------------ the contract
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any | None = None) -> None:
+        self._raise_deferred()
+        path = str(path)
+        options = {**self.storage_options, **(storage_options or {})}
+        started = time.perf_counter()
+        self._room.acquire()
+        try:
+            snap = snapshot(checkpoint, device=self.device)
+        except BaseException:
+            self._room.release()
+            raise
+        meta = {k: checkpoint[k] for k in ("epoch", "global_step")
+                if type(checkpoint.get(k)) is int}
+        stall = (time.perf_counter() - started) * 1e3
+
+        def job() -> None:
+            try:
+                self._write(snap, path, options, meta, stall)
+            finally:
+                self._room.release()
+
+        self._run(job, f"save of {path}")
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        self.wait()
+        path = str(path)
+        found = entries.read(path, self.storage_options)
+        if found is None:
+            from lightning.fabric.utilities.cloud_io import _load
+
+            return _load(path, map_location=map_location, weights_only=weights_only)
+        chain = entries.chain_for(path, found, self.storage_options)
+        entries.check(chain, found.step, found.blob, path)
+        # Lightning's default (a torch-style callable) keeps tensors on the CPU, as this does.
+        location = map_location if isinstance(map_location, (str, dict, torch.device)) else "cpu"
+        trusted = weights_only is False
+        here = self._chain_url(_split(path)[0])
+        if _rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
+            # The writer resumes here: its next save is a delta against this step.
+            return self._checkpointer(here).load(found.step, location, trusted=trusted)
+        state, _ = chain.load(found.step, map_location=location, trusted=trusted)
+        return state
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self._raise_deferred()
+        path = str(path)
+        self._run(lambda: self._remove(path), f"removal of {path}")
+
+    def teardown(self) -> None:
+        """Wait for every queued save and removal, raise a deferred error, release the lease."""
+        try:
+            self.wait()
+        finally:
+            for ckpt in self._runs.values():
+                ckpt.close()
+
+    # ------------------------------------------------------------------ extras
+    def wait(self) -> None:
+        """Block until queued saves and removals are done; raise the first that failed."""
+        if self._worker is not None:
+            self._jobs.join()
+        self._raise_deferred()
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.stored_bytes for r in self.reports)
+
+    # ------------------------------------------------------------------ the worker side
+    def _chain_url(self, folder: str) -> str:
+        return f"{folder}/{self.chain_dir}"
+
+    def _checkpointer(self, url: str) -> Checkpointer:
+        if url not in self._runs:
+            self._runs[url] = Checkpointer(url, storage_options=self.storage_options,
+                                           **self.options)
+        return self._runs[url]
+
+    def _write(self, snap: Snapshot, path: str, options: dict[str, Any],
+               meta: dict[str, Any], stall_ms: float) -> None:
+        started = time.perf_counter()
+        folder, name = _split(path)
+        url = self._chain_url(folder)
+        ckpt = self._checkpointer(url)
+        if url not in self._next:
+            self._next[url] = ckpt.next_step()
+        step = self._next[url]
+        info = ckpt.save(step, snap)
+        self._next[url] = step + 1
+        blob = ckpt.chain.manifest(step).blob
+        data = entries.to_bytes(entries.CheckpointEntry(
+            run=self.chain_dir, run_url=url, step=step, blob=blob, raw_bytes=info.raw_bytes,
+            stored_bytes=info.stored_bytes, meta=meta))
+        store = Store(folder, options)
+        replaced = entries.read(path, options) if store.exists(name) else None
+        store.put_atomic(name, data)
+        report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
+                            stall_ms, time.perf_counter() - started, info.codecs)
+        self.reports.append(report)
+        log.info("tpde: %s -> step %d (%s): %.1f MB raw, %.1f MB stored (%.2fx); "
+                 "training waited %.0f ms, written in %.2f s", name, step,
+                 "keyframe" if info.keyframe else "delta", info.raw_bytes / 1e6,
+                 info.stored_bytes / 1e6, report.ratio, stall_ms, report.write_seconds)
+        if replaced is not None:  # save_last: the step the old entry named may now be free
+            self._collect(ckpt, folder, name)
+
+    def _remove(self, path: str) -> None:
+        fs, p = entries.filesystem(path, self.storage_options)
+        if _local(path) and os.path.islink(p):
+            os.unlink(p)  # save_last="link": the link goes, what it points to stays
+            return
+        if not fs.exists(p):
+            return
+        if fs.isdir(p):
+            log.warning("tpde: %s is a folder, not a tpde entry (a strategy that bypasses "
+                        "CheckpointIO wrote it); removing it as Lightning would", path)
+            fs.rm(p, recursive=True)
+            return
+        found = entries.read(path, self.storage_options)
+        fs.rm_file(p)
+        if found is None:
+            return  # a plain checkpoint from before the run switched to tpde
+        folder, name = _split(path)
+        ckpt = self._checkpointer(self._chain_url(folder))
+        if ckpt.chain.is_run():
+            self._collect(ckpt, folder, name)
+
+    def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
+        """Hide the steps no entry names any more and free what nothing needs."""
+        hidden = entries.orphans(ckpt.chain, folder, self.storage_options)
+        for step in hidden:
+            ckpt.remove(step)
+        report = ckpt.gc()
+        self.freed_bytes += report.freed_bytes
+        log.info("tpde: %s replaced or removed; hid steps %s, freed %.1f MB (%s)", name,
+                 hidden or "none", report.freed_bytes / 1e6,
+                 f"purged {report.purged_steps}" if report.purged_steps
+                 else "still needed by later deltas")
+
+    def _run(self, job: Callable[[], None], what: str) -> None:
+        if not self.async_save:
+            job()
+            return
+
+        def tagged() -> None:
+            try:
+                job()
+            except BaseException as exc:
+                exc.add_note(f"tpde: raised by the background {what}")
+                raise
+
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="tpde-lightning",
+                                            daemon=True)
+            self._worker.start()
+        self._jobs.put(tagged)
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if self._error is None:  # after a failure nothing queued behind it runs
+                    job()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._jobs.task_done()
+
+    def _raise_deferred(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only (for spawned processes): queue, worker and open chains start afresh."""
+        self.wait()
+        keep = ("options", "device", "storage_options", "async_save", "chain_dir", "reports",
+                "freed_bytes", "max_pending")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
+
+
+for _other in _BASES[1:]:
+    _other.register(TPDECheckpointIO)
+
+_LIVE: "weakref.WeakSet[TPDECheckpointIO]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish() -> None:
+    """Saves still queued at interpreter exit are completed, not lost."""
+    for plugin in list(_LIVE):
+        try:
+            plugin.wait()
+        except BaseException as exc:  # nobody is left to raise it to
+            log.error("tpde: a background checkpoint failed at exit: %s", exc)
+
+
+def _guard_for(callback_base: type) -> type:
+    class TPDEStrategyGuard(callback_base):  # type: ignore[misc, valid-type]
+        """Fails fast where a strategy would bypass ``TPDECheckpointIO`` and store nothing."""
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            io = trainer.strategy.checkpoint_io
+            while not isinstance(io, TPDECheckpointIO) and hasattr(io, "checkpoint_io"):
+                io = io.checkpoint_io
+            if not isinstance(io, TPDECheckpointIO):
+                return
+            strategy = type(trainer.strategy).__name__
+            if "DeepSpeed" in strategy:
+                raise UnsupportedError(
+                    "DeepSpeed writes its own checkpoint folders and never calls CheckpointIO, "
+                    "so TPDECheckpointIO would store nothing; drop the plugin, or train with "
+                    "strategy='ddp' or FSDPStrategy(state_dict_type='full')")
+            if getattr(trainer.strategy, "_state_dict_type", "full") == "sharded":
+                raise UnsupportedError(
+                    "FSDPStrategy(state_dict_type='sharded') writes checkpoints with "
+                    "torch.distributed.checkpoint and never calls CheckpointIO, so "
+                    "TPDECheckpointIO would store nothing; use "
+                    "FSDPStrategy(state_dict_type='full'), or drop the plugin")
+
+    return TPDEStrategyGuard
+
+
+def lightning_callbacks() -> list[Any]:
+    """Entry point ``lightning.pytorch.callbacks_factory``: the strategy guard."""
+    from lightning.pytorch.callbacks import Callback
+
+    return [_guard_for(Callback)()]
+
+
+def pytorch_lightning_callbacks() -> list[Any]:
+    """Entry point ``pytorch_lightning.callbacks_factory``: the strategy guard."""
+    from pytorch_lightning.callbacks import Callback
+
+    return [_guard_for(Callback)()]

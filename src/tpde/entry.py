@@ -1,0 +1,219 @@
+"""Checkpoint entries: the small file at a checkpoint path that names one step of a chain.
+
+Frameworks that own the file layout (Lightning's ``ModelCheckpoint``) expect a file at every
+checkpoint path: they check that it exists, list and sort files by modification time, delete
+them. An entry is that file; the chain it points into lives in a hidden folder beside it.
+
+An entry is a valid ``torch.save`` archive whose only object is the call
+``tpde.load_checkpoint(run, step, blob)``, so ``torch.load(path, weights_only=False)`` (and
+``LightningModule.load_from_checkpoint(path, weights_only=False)``) return the full checkpoint,
+while weights-only loading refuses it with torch's error naming ``tpde.load_checkpoint``. A JSON
+member carries the same facts for readers that never unpickle. Entries are the roots of their
+chain: a step no entry names is an orphan, hidden and freed once nothing needs it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import zipfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import torch
+
+from . import tree
+from .chain import MARKER, Chain
+from .errors import FormatError, NotARunError, StepNotFoundError, TPDEError
+
+MEMBER = "archive/tpde-entry.json"
+#: Entries are about a kilobyte; anything larger at a checkpoint path is a plain checkpoint.
+MAX_ENTRY_BYTES = 64 * 1024
+#: Where a chain lives relative to the entries that point into it.
+CHAIN_DIR = ".tpde"
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """What an entry says: which step of which chain, and what saving it cost."""
+
+    run: str  # the chain, relative to the entry's folder
+    run_url: str  # the chain where it was written, for copies of the entry moved elsewhere
+    step: int
+    blob: str  # the step's blob name: a step number reused after gc never matches it
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    created: float = field(default_factory=time.time)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class _Call:
+    """Pickles as ``tpde.load_checkpoint(run_url, step, blob)``."""
+
+    def __init__(self, entry: CheckpointEntry) -> None:
+        self.args = (entry.run_url, entry.step, entry.blob)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return load_checkpoint, self.args
+
+
+def to_bytes(entry: CheckpointEntry) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_Call(entry), buf)
+    with zipfile.ZipFile(buf, "a") as z:
+        z.writestr(MEMBER, json.dumps({"format": "tpde-entry", "version": 1, **asdict(entry)}))
+    return buf.getvalue()
+
+
+def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
+    """The entry in ``data``, or None when ``data`` is not an entry (a plain checkpoint)."""
+    if len(data) > MAX_ENTRY_BYTES or not data.startswith(b"PK\x03\x04"):
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            if MEMBER not in z.namelist():
+                return None
+            doc = json.loads(z.read(MEMBER))
+    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+        raise FormatError(f"checkpoint entry {where} is damaged ({exc}); restore it from the "
+                          "chain with `tpde ls` / `tpde restore`") from None
+    try:
+        if doc.pop("format") != "tpde-entry" or doc.pop("version") != 1:
+            raise ValueError("unknown format or version")
+        entry = CheckpointEntry(**doc)
+        if type(entry.step) is not int or not isinstance(entry.blob, str):
+            raise ValueError("step or blob has the wrong type")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"checkpoint entry {where} is malformed ({exc})") from None
+    return entry
+
+
+def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """The fsspec filesystem and path of ``path`` (the instance Lightning's own code gets)."""
+    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+
+
+def read(path: str, storage_options: dict[str, Any] | None = None) -> CheckpointEntry | None:
+    """The entry at ``path``, or None when the file there is not one. A missing file raises."""
+    fs, p = filesystem(path, storage_options)
+    if fs.size(p) > MAX_ENTRY_BYTES:
+        return None
+    return parse(fs.cat_file(p), where=str(path))
+
+
+def folder(path: str) -> str:
+    """The folder an entry's relative chain is resolved in (a symlink's target's, on disk)."""
+    path = str(path)
+    if "://" not in path or path.startswith("file://"):
+        return os.path.dirname(os.path.realpath(path.removeprefix("file://")))
+    return path.rsplit("/", 1)[0]
+
+
+def chain_for(path: str, entry: CheckpointEntry,
+              storage_options: dict[str, Any] | None = None) -> Chain:
+    """The chain ``entry`` (read at ``path``) points into: beside it, else where it was made."""
+    for url in (f"{folder(path)}/{entry.run}", entry.run_url):
+        chain = Chain(url, storage_options)
+        if chain.is_run():
+            return chain
+    raise NotARunError(f"the checkpoint entry {path} points to a chain that is gone (looked "
+                       f"beside it in {entry.run}/ and at {entry.run_url})", run=entry.run_url,
+                       step=entry.step)
+
+
+def check(chain: Chain, step: int, blob: str | None, where: str) -> None:
+    """Refuse an entry whose step was deleted, even if the number was reused since."""
+    try:
+        actual = chain.manifest(step).blob
+    except StepNotFoundError:
+        actual = None
+    if blob is not None and actual != blob:
+        raise StepNotFoundError(f"the step that {where} points to was deleted (removed and "
+                                "collected); this entry is stale", run=chain.url, step=step)
+
+
+def load_checkpoint(path: str, step: int | None = None, blob: str | None = None, *,
+                    map_location: tree.MapLocation = None,
+                    storage_options: dict[str, Any] | None = None, trusted: bool = False) -> Any:
+    """The plain checkpoint dict behind ``path``.
+
+    ``path`` is a checkpoint entry (what ``TPDECheckpointIO`` writes at each checkpoint path),
+    a tpde run (then ``step``, default the latest), or a plain ``torch.save`` file. Loading never
+    unpickles arbitrary objects unless ``trusted=True``.
+    """
+    path = str(path)
+    if step is None:
+        fs, p = filesystem(path, storage_options)
+        if not fs.isdir(p):
+            entry = read(path, storage_options)
+            if entry is None:
+                with fs.open(p, "rb") as f:
+                    return torch.load(f, map_location=map_location, weights_only=not trusted)
+            chain = chain_for(path, entry, storage_options)
+            check(chain, entry.step, entry.blob, path)
+            state, _ = chain.load(entry.step, map_location=map_location, trusted=trusted)
+            return state
+    chain = Chain(path, storage_options)
+    if step is None:
+        chain.require_run()
+        steps = chain.steps()
+        if not steps:
+            raise StepNotFoundError("the run has no steps yet", run=path)
+        step = steps[-1]
+    check(chain, step, blob, f"tpde.load_checkpoint({path!r}, {step})")
+    state, _ = chain.load(step, map_location=map_location, trusted=trusted)
+    return state
+
+
+# Entries pickle the call under the name users know, so torch's weights-only refusal names it.
+load_checkpoint.__module__ = "tpde"
+
+
+def roots(folder_url: str, chain: Chain,
+          storage_options: dict[str, Any] | None = None) -> dict[int, str]:
+    """Steps of ``chain`` that entries in ``folder_url`` point to (step -> blob)."""
+    fs, root = filesystem(folder_url, storage_options)
+    try:
+        listing = fs.ls(root, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    found: dict[int, str] = {}
+    for item in listing:
+        if item.get("type") != "file" or int(item.get("size") or 0) > MAX_ENTRY_BYTES:
+            continue
+        name = item["name"]
+        url = name if "://" not in folder_url else f"{folder_url.split('://', 1)[0]}://{name}"
+        try:
+            entry = read(url, storage_options)
+        except (FileNotFoundError, TPDEError):
+            continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
+        if entry is not None and _same_chain(url, entry, chain):
+            found[entry.step] = entry.blob
+    return found
+
+
+def normalize(url: str) -> str:
+    """One spelling per location, so chains found by different routes compare equal."""
+    url = str(url).rstrip("/")
+    if "://" not in url or url.startswith("file://"):
+        return os.path.realpath(url.removeprefix("file://"))
+    return url
+
+
+def _same_chain(path: str, entry: CheckpointEntry, chain: Chain) -> bool:
+    return normalize(f"{folder(path)}/{entry.run}") == normalize(chain.url)
+
+
+def orphans(chain: Chain, folder_url: str,
+            storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Visible steps of ``chain`` that no entry in ``folder_url`` names: the ones to hide."""
+    live = roots(folder_url, chain, storage_options)
+    return [s for s in chain.steps() if live.get(s) != chain.manifest(s).blob]
+
+
+def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is a folder of checkpoint entries with a chain beside them."""
+    return Chain(f"{str(url).rstrip('/')}/{CHAIN_DIR}", storage_options).store.exists(MARKER)

@@ -1,0 +1,335 @@
+"""TPDECheckpointIO with a real Lightning Trainer and ModelCheckpoint, on disk and on S3 (moto)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+import tpde  # noqa: E402
+from helpers import assert_same  # noqa: E402
+from tpde import entry as entries  # noqa: E402
+from tpde.cli import main as cli  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from lightning_train import CharLM, loaders  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def fit(dirpath: str, io: Any, *, epochs: int = 2, ckpt_path: str | None = None,
+        seed: int = 0, **checkpoint: Any) -> tuple[L.Trainer, CharLM, ModelCheckpoint]:
+    """A seeded, deterministic run: 4 optimizer steps per epoch, a checkpoint every 2."""
+    L.seed_everything(seed, verbose=False)
+    model = CharLM(dim=32, layers=1)
+    train, val = loaders(windows=64, batch=16)
+    options = dict(monitor="val_loss", save_top_k=2, save_last=True, every_n_train_steps=2)
+    callback = ModelCheckpoint(dirpath=dirpath, **{**options, **checkpoint})
+    trainer = L.Trainer(max_epochs=epochs, plugins=[io], callbacks=[callback], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        deterministic=True, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(model, train, val, ckpt_path=ckpt_path)
+    return trainer, model, callback
+
+
+def files(fs: Any, folder: str) -> list[str]:
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False, refresh=True)
+                  if p.endswith(".ckpt"))
+
+
+def comparable(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """What two runs in different folders must agree on (callback state names the folder)."""
+    return {k: v for k, v in ckpt.items() if k != "callbacks"}
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path) -> tuple[str, Any]:
+    """A checkpoint folder on disk or in a bucket of the moto server, and its filesystem."""
+    if request.param == "local":
+        return str(tmp_path), fsspec.filesystem("file")
+    options = request.getfixturevalue("s3_server")["options"]
+    saved = fsspec.config.conf.get("s3")
+    fsspec.config.conf["s3"] = options  # Lightning opens s3:// paths with fsspec defaults
+    request.addfinalizer(lambda: fsspec.config.conf.pop("s3") if saved is None
+                         else fsspec.config.conf.update(s3=saved))
+    return f"s3://tpde/{os.path.basename(tmp_path)}", fsspec.filesystem("s3", **options)
+
+
+def test_modelcheckpoint_topk_last_and_resume_match_torch(where, tmp_path) -> None:
+    root, fs = where
+    _, torch_model, torch_cb = fit(str(tmp_path / "torch"), TorchCheckpointIO())
+    plugin = tpde.TPDECheckpointIO()
+    _, model, cb = fit(f"{root}/tpde", plugin)
+
+    # The same files ModelCheckpoint keeps with the default plugin: top 2 and last.
+    assert files(fs, f"{root}/tpde") == files(fsspec.filesystem("file"), str(tmp_path / "torch"))
+    assert len(files(fs, f"{root}/tpde")) == 3
+    assert os.path.basename(cb.best_model_path) == os.path.basename(torch_cb.best_model_path)
+    for name in files(fs, f"{root}/tpde"):
+        ours = plugin.load_checkpoint(f"{root}/tpde/{name}")
+        theirs = torch.load(tmp_path / "torch" / name, weights_only=False)
+        assert_same(comparable(ours), comparable(theirs))
+    # A save of the same state again (last.ckpt) stores no tensor bytes: its manifest only.
+    same = [r for r in plugin.reports if r.path.endswith("last.ckpt")]
+    assert same and all(set(r.codecs) == {"same"} and r.stored_bytes < r.raw_bytes / 10
+                        for r in same)
+    # Every visible step has an entry; everything else was hidden.
+    steps = {entries.read(f"{root}/tpde/{n}").step for n in files(fs, f"{root}/tpde")}
+    assert set(tpde.Checkpointer(f"{root}/tpde/.tpde").steps()) == steps
+
+    # Resume from "last" with each plugin: the same weights, bit for bit.
+    _, torch_resumed, _ = fit(str(tmp_path / "torch"), TorchCheckpointIO(), epochs=3,
+                              ckpt_path="last")
+    resumed_plugin = tpde.TPDECheckpointIO()
+    # Lightning resolves "last" on local disk only (it drops the s3:// of what it lists, with
+    # any CheckpointIO); on a bucket the path is given.
+    last = "last" if "://" not in root else f"{root}/tpde/last.ckpt"
+    _, resumed, _ = fit(f"{root}/tpde", resumed_plugin, epochs=3, ckpt_path=last)
+    assert_same(resumed.state_dict(), torch_resumed.state_dict())
+    assert not resumed_plugin.reports[0].keyframe  # the chain goes on with a delta
+    assert cli(["verify", f"{root}/tpde", "-q"]) == 0
+
+
+def test_best_test_and_manual_save(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO()
+    trainer, model, cb = fit(str(tmp_path), plugin)
+    trainer.test(model, loaders(windows=64, batch=16)[1], ckpt_path="best", verbose=False)
+    manual = str(tmp_path / "manual" / "by-hand.ckpt")
+    trainer.save_checkpoint(manual)
+    plugin.wait()
+    assert_same(plugin.load_checkpoint(manual)["state_dict"], model.state_dict())
+    # A folder of its own gets a chain of its own.
+    assert tpde.Checkpointer(str(tmp_path / "manual" / ".tpde")).steps()
+
+
+def test_load_from_checkpoint_and_torch_load(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO()
+    _, model, cb = fit(str(tmp_path), plugin)
+    plugin.teardown()
+    path = cb.last_model_path
+    with pytest.raises(pickle.UnpicklingError, match=r"tpde\.load_checkpoint"):
+        torch.load(path)
+    with pytest.raises(pickle.UnpicklingError, match=r"tpde\.load_checkpoint"):
+        CharLM.load_from_checkpoint(path)
+    loaded = CharLM.load_from_checkpoint(path, weights_only=False)
+    assert_same(loaded.state_dict(), model.state_dict())
+    assert_same(torch.load(path, weights_only=False)["state_dict"], model.state_dict())
+    assert_same(tpde.load_checkpoint(path)["state_dict"], model.state_dict())
+    with torch.serialization.safe_globals([tpde.load_checkpoint]):
+        assert_same(torch.load(path)["state_dict"], model.state_dict())
+    # The CLI turns an entry back into a plain .ckpt.
+    assert cli(["restore", path, "--output", str(tmp_path / "plain.ckpt"), "-q"]) == 0
+    plain = torch.load(tmp_path / "plain.ckpt", weights_only=False)
+    assert_same(plain["state_dict"], model.state_dict())
+
+
+def test_save_last_link_weights_only_every_epoch(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO()
+    _, model, cb = fit(str(tmp_path), plugin, save_last="link", save_weights_only=True,
+                       every_n_train_steps=None, every_n_epochs=1)
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink()
+    loaded = plugin.load_checkpoint(str(last))
+    assert "optimizer_states" not in loaded
+    assert_same(loaded["state_dict"], model.state_dict())
+    target = os.path.realpath(last)
+    plugin.remove_checkpoint(str(last))
+    plugin.wait()
+    assert not last.exists() and os.path.exists(target)  # the link goes, its target stays
+
+
+def test_switch_from_torch_midway_and_bounded_disk(tmp_path) -> None:
+    folder = str(tmp_path)
+    fit(folder, TorchCheckpointIO(), save_top_k=1)
+    plugin = tpde.TPDECheckpointIO(keyframe_every=4)
+    _, model, _ = fit(folder, plugin, epochs=12, ckpt_path="last", save_top_k=1)
+    # The plain files of the first part were removed like any other; entries remain.
+    names = files(fsspec.filesystem("file"), folder)
+    assert len(names) == 2 and all(entries.read(f"{folder}/{n}") for n in names)
+    chain = tpde.Checkpointer(f"{folder}/.tpde")
+    saves = len(plugin.reports)
+    assert saves >= 20
+    # Only what the kept steps need stays: at most one keyframe group, however long the run.
+    assert len(os.listdir(f"{folder}/.tpde/data")) <= 4 + 2
+    assert plugin.freed_bytes > 0 and len(chain.steps()) == 2
+
+
+def test_background_failure_is_deferred_and_plugin_stays_usable(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO()
+    trainer, model, _ = fit(str(tmp_path), plugin, epochs=1)
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"not a folder")
+    trainer.save_checkpoint(str(blocker / "x.ckpt"))  # returns: the write happens later
+    with pytest.raises(tpde.StoreError) as info:
+        plugin.teardown()
+    assert any("background save" in note for note in info.value.__notes__)
+    trainer.save_checkpoint(str(tmp_path / "after.ckpt"))
+    plugin.teardown()
+    assert_same(plugin.load_checkpoint(str(tmp_path / "after.ckpt"))["state_dict"],
+                model.state_dict())
+
+
+def test_wrapped_by_async_checkpoint_io(tmp_path) -> None:
+    inner = tpde.TPDECheckpointIO()
+    _, model, cb = fit(str(tmp_path), AsyncCheckpointIO(inner))
+    inner.teardown()
+    # AsyncCheckpointIO's own copy of the state drops the state dict's _metadata; tensors match.
+    loaded = inner.load_checkpoint(cb.last_model_path)["state_dict"]
+    assert_same(dict(loaded), dict(model.state_dict()))
+    # Its removals run at once while its saves queue, so a removal can overtake a save (with
+    # any CheckpointIO): every file that is left is a loadable entry, and top 2 + last remain.
+    names = files(fsspec.filesystem("file"), str(tmp_path))
+    assert len(names) >= 3
+    for name in names:
+        assert inner.load_checkpoint(str(tmp_path / name))["state_dict"].keys() == loaded.keys()
+
+
+def test_pytorch_lightning_imports(tmp_path) -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    from pytorch_lightning.callbacks import ModelCheckpoint as PLCheckpoint
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, _: int) -> torch.Tensor:
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), 4)
+    plugin = tpde.TPDECheckpointIO()
+    trainer = pl.Trainer(max_epochs=2, plugins=[plugin], logger=False, enable_progress_bar=False,
+                         callbacks=[PLCheckpoint(dirpath=str(tmp_path), save_last=True)])
+    module = Module()
+    trainer.fit(module, data)
+    assert_same(plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"],
+                module.state_dict())
+
+
+def test_sharded_fsdp_and_deepspeed_are_refused() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from tpde.plugins.lightning import lightning_callbacks
+
+    (guard,) = lightning_callbacks()
+    # FSDP needs a GPU to build a Trainer; the guard reads only the trainer's strategy.
+    sharded = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="sharded",
+                                                    checkpoint_io=tpde.TPDECheckpointIO()))
+    with pytest.raises(tpde.UnsupportedError, match="state_dict_type='full'"):
+        guard.setup(sharded, None, "fit")
+    full = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="full",
+                                                 checkpoint_io=tpde.TPDECheckpointIO()))
+    guard.setup(full, None, "fit")
+    other = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="sharded"))
+    guard.setup(other, None, "fit")  # not using tpde: none of its business
+
+
+@pytest.mark.gpu
+def test_sharded_fsdp_fit_is_refused(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("FSDP in Lightning needs a GPU")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    trainer = L.Trainer(max_epochs=1, accelerator="cuda", devices=1, logger=False,
+                        strategy=FSDPStrategy(state_dict_type="sharded"),
+                        plugins=[tpde.TPDECheckpointIO()], enable_progress_bar=False)
+    with pytest.raises(tpde.UnsupportedError, match="state_dict_type='full'"):
+        trainer.fit(CharLM(dim=32, layers=1), loaders(windows=64, batch=16)[0])
+
+
+def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO()
+    fit(str(tmp_path), plugin, save_top_k=-1)
+    plugin.teardown()
+    names = files(fsspec.filesystem("file"), str(tmp_path))
+    for name in names[:-2]:
+        os.remove(tmp_path / name)  # by hand, behind the plugin's back
+    assert cli(["gc", str(tmp_path), "-q"]) == 0
+    live = {entries.read(str(tmp_path / n)).step for n in names[-2:]}
+    assert set(tpde.Checkpointer(str(tmp_path / ".tpde")).steps()) == live
+    for name in names[-2:]:
+        assert cli(["verify", str(tmp_path / name), "-q"]) == 0
+
+
+def test_killed_mid_save_leaves_committed_checkpoints(tmp_path) -> None:
+    script = f"""
+import os, sys
+sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
+from test_lightning import fit
+import tpde
+plugin = tpde.TPDECheckpointIO()
+trainer, model, cb = fit({str(tmp_path)!r}, plugin, epochs=2)
+trainer.save_checkpoint({str(tmp_path / "in-flight.ckpt")!r})
+os._exit(9)  # like SIGKILL: no teardown, no atexit, the background save cut short
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 9, run.stderr[-2000:]
+    for name in files(fsspec.filesystem("file"), str(tmp_path)):
+        assert cli(["verify", str(tmp_path / name), "-q"]) == 0
+    _, resumed, _ = fit(str(tmp_path), tpde.TPDECheckpointIO(), epochs=3, ckpt_path="last")
+    assert resumed.global_step == 12
+
+
+def test_ddp_two_processes(tmp_path) -> None:
+    script = os.path.join(os.path.dirname(__file__), "lightning_ddp.py")
+    for epochs in (2, 3):
+        run = subprocess.run([sys.executable, script, str(tmp_path), str(epochs)],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    done = {int(line.split()[1]): line for line in (tmp_path / "ranks.log").read_text().split("\n")
+            if line}
+    assert set(done) == {0, 1}  # both ranks loaded the checkpoint and trained on
+    assert cli(["verify", str(tmp_path / "ckpt"), "-q"]) == 0
+    writer_steps = tpde.Checkpointer(str(tmp_path / "ckpt" / ".tpde")).steps()
+    assert writer_steps and all(e in done[0] for e in ("resumed=8", "delta=True"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cuda_training_snapshots_on_host_or_gpu(tmp_path, device: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    L.seed_everything(0, verbose=False)
+    model = CharLM(dim=32, layers=1)
+    plugin = tpde.TPDECheckpointIO(device=device)
+    trainer = L.Trainer(max_epochs=2, accelerator="cuda", devices=1, plugins=[plugin],
+                        logger=False, enable_progress_bar=False,
+                        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_last=True,
+                                                   every_n_train_steps=2)])
+    trainer.fit(model, loaders(windows=64, batch=16)[0])
+    loaded = plugin.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert_same(loaded["state_dict"], {k: v.cpu() for k, v in model.state_dict().items()})
+    assert any(not r.keyframe for r in plugin.reports)
+
+
+@pytest.mark.gpu
+def test_fsdp_full_state_dict(tmp_path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("FSDP in Lightning needs a GPU")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    plugin = tpde.TPDECheckpointIO()
+    trainer = L.Trainer(max_epochs=1, accelerator="cuda", devices=1, logger=False,
+                        strategy=FSDPStrategy(state_dict_type="full"), plugins=[plugin],
+                        enable_progress_bar=False,
+                        callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_last=True)])
+    trainer.fit(CharLM(dim=32, layers=1), loaders(windows=64, batch=16)[0])
+    assert "state_dict" in tpde.load_checkpoint(str(tmp_path / "last.ckpt"))
