@@ -104,33 +104,40 @@ def test_modelcheckpoint_topk_last_and_resume_match_torch(where, tmp_path) -> No
     assert cli(["verify", f"{root}/tpde", "-q"]) == 0
 
 
-def test_best_test_and_manual_save(tmp_path) -> None:
+def test_best_test_and_manual_save(where) -> None:
+    root, _ = where
     plugin = tpde.TPDECheckpointIO()
-    trainer, model, cb = fit(str(tmp_path), plugin)
+    trainer, model, cb = fit(root, plugin)
     trainer.test(model, loaders(windows=64, batch=16)[1], ckpt_path="best", verbose=False)
-    manual = str(tmp_path / "manual" / "by-hand.ckpt")
+    manual = f"{root}/manual/by-hand.ckpt"
     trainer.save_checkpoint(manual)
     plugin.wait()
     assert_same(plugin.load_checkpoint(manual)["state_dict"], model.state_dict())
     # A folder of its own gets a chain of its own.
-    assert tpde.Checkpointer(str(tmp_path / "manual" / ".tpde")).steps()
+    assert tpde.Checkpointer(f"{root}/manual/.tpde").steps()
 
 
-def test_load_from_checkpoint_and_torch_load(tmp_path) -> None:
+def torch_load(path: str, **kwargs: Any) -> Any:
+    with fsspec.open(path, "rb") as f:
+        return torch.load(f, **kwargs)
+
+
+def test_load_from_checkpoint_and_torch_load(where, tmp_path) -> None:
+    root, _ = where
     plugin = tpde.TPDECheckpointIO()
-    _, model, cb = fit(str(tmp_path), plugin)
+    _, model, cb = fit(root, plugin)
     plugin.teardown()
     path = cb.last_model_path
     with pytest.raises(pickle.UnpicklingError, match=r"tpde\.load_checkpoint"):
-        torch.load(path)
+        torch_load(path)
     with pytest.raises(pickle.UnpicklingError, match=r"tpde\.load_checkpoint"):
         CharLM.load_from_checkpoint(path)
     loaded = CharLM.load_from_checkpoint(path, weights_only=False)
     assert_same(loaded.state_dict(), model.state_dict())
-    assert_same(torch.load(path, weights_only=False)["state_dict"], model.state_dict())
+    assert_same(torch_load(path, weights_only=False)["state_dict"], model.state_dict())
     assert_same(tpde.load_checkpoint(path)["state_dict"], model.state_dict())
     with torch.serialization.safe_globals([tpde.load_checkpoint]):
-        assert_same(torch.load(path)["state_dict"], model.state_dict())
+        assert_same(torch_load(path)["state_dict"], model.state_dict())
     # The CLI turns an entry back into a plain .ckpt.
     assert cli(["restore", path, "--output", str(tmp_path / "plain.ckpt"), "-q"]) == 0
     plain = torch.load(tmp_path / "plain.ckpt", weights_only=False)
