@@ -1,1 +1,2 @@
-"""GPU code for tpde, each piece with a CPU path: nvCOMP batched zstd glue."""
+"""GPU code for tpde, each piece with a CPU path: nvCOMP batched zstd glue and Triton kernels
+(byte-plane unshuffle, residual application, Elias-delta position decoding)."""

@@ -340,3 +340,33 @@ def test_fsdp_full_state_dict(tmp_path) -> None:
                         callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_last=True)])
     trainer.fit(CharLM(dim=32, layers=1), loaders(windows=64, batch=16)[0])
     assert "state_dict" in tpde.load_checkpoint(str(tmp_path / "last.ckpt"))
+
+
+def test_mount_a_lightning_trained_model(tmp_path) -> None:
+    from quickstart import TinyGPT
+
+    plugin = tpde.TPDECheckpointIO()
+    _, model, cb = fit(str(tmp_path), plugin, save_top_k=-1)
+    plugin.teardown()
+    x = torch.randint(0, 256, (4, 32))
+    first = min((r for r in plugin.reports), key=lambda r: r.step)
+    latest = max((r for r in plugin.reports), key=lambda r: r.step)
+    assert first.keyframe and not latest.keyframe
+    # PyTorch skips nn.TransformerEncoderLayer's fused fast path whenever hooks are attached,
+    # as they are on a mounted model; the dense reference computes the same way.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        for report in (first, latest):
+            dense = CharLM(dim=32, layers=1)
+            dense.load_state_dict(plugin.load_checkpoint(report.path)["state_dict"])
+            dense.eval()
+            with torch.no_grad():
+                expected = dense.model(x)
+            # The whole LightningModule, and its inner network (keys under the "model." prefix).
+            whole = tpde.mount(report.path, model=CharLM(dim=32, layers=1), device="cpu", budget=0)
+            inner = tpde.mount(report.path, model=TinyGPT(32, 1, 64), device="cpu", budget=0)
+            with torch.no_grad():
+                assert torch.equal(whole.model(x), expected)
+                assert torch.equal(inner(x), expected)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)

@@ -8,6 +8,7 @@ from typing import Any
 from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, snapshot
 from .chain import GcReport, Problem
 from .entry import load_checkpoint
+from .mount import Mount, load_state_dict, mount
 from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
                      StepNotFoundError, StoreError, TPDEError, UnsafeContentError,
                      UnsupportedError, WriterConflictError)
@@ -21,6 +22,7 @@ __all__ = [
     "CorruptionError",
     "DEFAULT_KEYFRAME_EVERY",
     "FormatError",
+    "Mount",
     "GcReport",
     "NotARunError",
     "Problem",
@@ -36,6 +38,8 @@ __all__ = [
     "WriterConflictError",
     "attach",
     "load_checkpoint",
+    "load_state_dict",
+    "mount",
     "snapshot",
 ]
 

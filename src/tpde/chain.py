@@ -302,7 +302,7 @@ class Chain:
         if not wanted:
             return [{} for _ in recs]
         try:
-            if sum(b - a for a, b in wanted) * 2 >= m.blob_size:
+            if self.store.whole_blob_reads and sum(b - a for a, b in wanted) * 2 >= m.blob_size:
                 blob = self.store.read(m.blob)
                 if len(blob) != m.blob_size:
                     raise CorruptionError(f"blob {m.blob} holds {len(blob)} bytes, the manifest "
@@ -328,10 +328,12 @@ class Chain:
 
     def materialize(self, step: int, names: Iterable[str] | None = None, *,
                     problems: list[Problem] | None = None, check_every: bool = False,
-                    progress: Progress | None = None) -> dict[str, torch.Tensor]:
+                    check: bool = True, progress: Progress | None = None
+                    ) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt blob by blob and checked against hashes.
 
-        The words a caller gets are always hash-checked; with ``check_every`` so is every delta
+        The words a caller gets are hash-checked (``check=False`` only for bytes already checked
+        once and held unchanged since, as a mount does); with ``check_every`` so is every delta
         on the way, which is what ``verify`` does.  A mismatch is traced back to the first damaged
         step either way.  With ``problems`` given, damaged tensors are reported there and skipped
         instead of raised.
@@ -355,14 +357,14 @@ class Chain:
                 fail(exc, step, rec.name)
                 continue
             for i, (at, r) in enumerate(lineage):
-                plan[at].append((r, check_every or i == len(lineage) - 1))
+                plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
         current: dict[str, torch.Tensor] = {}
         steps = sorted(plan)
 
         def prepare(at: int) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
             """Fetch, decompress and decode positions of one step: nothing here needs the
             previous step's words, so it runs one step ahead of the rebuild."""
-            todo = [(r, check) for r, check in plan[at] if r.name not in failed]
+            todo = [(r, checked) for r, checked in plan[at] if r.name not in failed]
             try:
                 fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
             except TPDEError as exc:
@@ -382,11 +384,11 @@ class Chain:
                         if r.name not in failed:
                             fail(prepared, at, r.name)
                     continue
-                jobs = [(r, check, secs, current.get(r.name), pos)
-                        for (r, check), secs, pos in zip(*prepared) if r.name not in failed]
-                for (r, check, *_), done in zip(jobs, pool.map(_attempt(_rebuild), jobs)):
+                jobs = [(r, checked, secs, current.get(r.name), pos)
+                        for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
+                for (r, checked, *_), done in zip(jobs, pool.map(_attempt(_rebuild), jobs)):
                     if isinstance(done, TPDEError):
-                        if check and not check_every and isinstance(done, CorruptionError) \
+                        if checked and not check_every and isinstance(done, CorruptionError) \
                                 and not isinstance(done, FormatError):
                             done, at_bad = self._trace(r.name, step, done, at)
                             fail(done, at_bad, r.name)
@@ -400,7 +402,7 @@ class Chain:
         for rec in wanted:
             if rec.name in failed:
                 continue
-            if rec.hash != self._data_hash(rec, step):
+            if check and rec.hash != self._data_hash(rec, step):
                 fail(CorruptionError("record's hash differs from the data it points to"),
                      step, rec.name)
                 continue

@@ -17,8 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from . import __version__
+from . import __version__, dtypes, tree
 from . import entry as entries
+from .api import Checkpointer, Snapshot
 from .chain import Chain
 from .errors import TPDEError
 from .lease import Lease
@@ -214,6 +215,26 @@ def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
+    """A step as the keyframe of a new run: mounting or loading it then decodes no deltas."""
+    step = args.step if args.step is not None else _latest(chain)
+    m = chain.manifest(step)
+    with _bar(m.raw_bytes, f"exporting step {step}", args.quiet) as advance:
+        words = chain.materialize(step, progress=advance)
+    # The skeleton is copied as stored: nothing is unpickled on the way.
+    spans = [tree.Span(r.name, words[r.name].view(torch.uint8).view(
+        dtypes.by_name(r.dtype).torch_dtype), r.device) for r in m.records]
+    with Checkpointer(args.to, storage_options=args.options) as out:
+        info = out.save(step, Snapshot(tree.Flat(m.skeleton, spans), m.raw_bytes))
+    if args.json:
+        print(json.dumps({"run": chain.url, "step": step, "to": args.to,
+                          "raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}))
+    else:
+        err.print(f"exported step {step} of {chain.url} to {args.to} as a keyframe "
+                  f"({_mb(info.stored_bytes)})")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpde", description="Inspect, restore, verify and clean "
                                 "tpde checkpoint chains in any fsspec location.")
@@ -241,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
                    help="allow unpickling objects outside torch's weights-only allowlist")
     c = command("verify", "Rebuild steps and check every hash; exit 1 naming each bad tensor.")
     c.add_argument("--step", type=int, help="one step (default: every visible step)")
+    c = command("export", "Write a step as the keyframe of another run (fast to mount).")
+    c.add_argument("--step", type=int, help="step to export (default: the latest)")
+    c.add_argument("--to", required=True, help="the run to write it to (new or existing)")
     c = command("gc", "Delete data no visible step needs and report the bytes freed.")
     c.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="keep unreferenced blobs younger than this (saves may be in progress)")
@@ -250,27 +274,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"ls": cmd_ls, "info": cmd_info, "restore": cmd_restore, "verify": cmd_verify,
-            "gc": cmd_gc}
+            "export": cmd_export, "gc": cmd_gc}
 
 
 def _resolve(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Chain, str | None]:
-    """The chain RUN names, and the checkpoint folder whose entries are its roots, if any.
-
-    A checkpoint entry stands for its step (unless ``--step`` says otherwise).
-    """
-    target = args.run.rstrip("/")
-    if entries.is_entry_folder(target, options):
-        return Chain(f"{target}/{entries.CHAIN_DIR}", options), target
-    chain = Chain(target, options)
-    fs = chain.store.fs
-    if not chain.is_run() and fs.isfile(chain.store.root):
-        found = entries.read(target, options)
-        if found is not None:
-            chain = entries.chain_for(target, found, options)
-            entries.check(chain, found.step, found.blob, target)
-            if getattr(args, "step", None) is None:
-                args.step = found.step
-    return chain, None
+    """The chain RUN names and, for a checkpoint folder, the folder; an entry sets ``--step``."""
+    chain, step, folder = entries.resolve(args.run, options)
+    if step is not None and getattr(args, "step", None) is None:
+        args.step = step
+    return chain, folder
 
 
 def main(argv: list[str] | None = None) -> int:

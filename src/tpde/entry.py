@@ -217,3 +217,24 @@ def orphans(chain: Chain, folder_url: str,
 def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``url`` is a folder of checkpoint entries with a chain beside them."""
     return Chain(f"{str(url).rstrip('/')}/{CHAIN_DIR}", storage_options).store.exists(MARKER)
+
+
+def resolve(target: str, storage_options: dict[str, Any] | None = None
+            ) -> tuple[Chain, int | None, str | None]:
+    """What a user may name as a run: a chain, a checkpoint folder, or one entry.
+
+    Returns the chain, the entry's step (None unless ``target`` is an entry) and the checkpoint
+    folder whose entries are the chain's roots (None unless ``target`` is such a folder).
+    """
+    target = str(target).rstrip("/")
+    if is_entry_folder(target, storage_options):
+        return Chain(f"{target}/{CHAIN_DIR}", storage_options), None, target
+    chain = Chain(target, storage_options)
+    if not chain.is_run() and chain.store.fs.isfile(chain.store.root):
+        found = read(target, storage_options)
+        if found is not None:
+            chain = chain_for(target, found, storage_options)
+            check(chain, found.step, found.blob, target)
+            return chain, found.step, None
+    return chain, None, None
+

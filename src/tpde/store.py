@@ -34,6 +34,9 @@ class Entry:
 class Store:
     """A run's root folder in an fsspec filesystem."""
 
+    #: Readers may fetch a whole blob when they need most of it (one GET instead of many).
+    whole_blob_reads = True
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         try:

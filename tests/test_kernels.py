@@ -1,0 +1,86 @@
+"""Triton kernels against their CPU references (on a GPU when there is one, else interpreted)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # run the kernels on CPU tensors
+pytest.importorskip("triton")
+
+from tpde import codec, elias  # noqa: E402
+from tpde.errors import FormatError  # noqa: E402
+from tpde.kernels import triton_kernels as tk  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+WORDS = {torch.int8: "int", torch.int16: "float", torch.int32: "float", torch.int64: "float"}
+
+
+def words(draw: st.DrawFn, dtype: torch.dtype, n: int) -> torch.Tensor:
+    info = torch.iinfo(dtype)
+    seed = draw(st.integers(0, 2**31))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(info.min, info.max, (n,), dtype=torch.int64, generator=g).to(dtype)
+
+
+@st.composite
+def word_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, str]:
+    dtype = draw(st.sampled_from(list(WORDS)))
+    n = draw(st.integers(0, 3000))
+    new = words(draw, dtype, n)
+    ref = new.clone()
+    if n:  # a few changed words, like a training delta
+        changed = torch.randint(0, n, (max(1, n // 10),))
+        ref[changed] = words(draw, dtype, changed.numel())
+    kind = draw(st.sampled_from(["float", "int"])) if dtype != torch.int8 else "int"
+    return new, ref, kind
+
+
+@given(word_pairs(), st.sampled_from(["xor", "sub"]))
+def test_dense_residual_kernel_matches_cpu(pair, how: str) -> None:
+    new, ref, kind = pair
+    r = codec.residual(new, ref, how, kind)
+    expected = codec.apply_residual(ref, r, how, kind)
+    got = tk.apply_residual_(ref.clone().to(DEVICE), r.to(DEVICE), how, kind)
+    assert torch.equal(got.cpu(), expected) and torch.equal(expected, new)
+
+
+@given(word_pairs())
+def test_sparse_xor_kernel_matches_cpu(pair) -> None:
+    new, ref, _ = pair
+    pos = torch.nonzero(new != ref).reshape(-1)
+    r = new[pos] ^ ref[pos]
+    got = tk.apply_sparse_xor_(ref.clone().to(DEVICE), pos.to(DEVICE), r.to(DEVICE))
+    assert torch.equal(got.cpu(), new)
+
+
+@given(st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64]),
+       st.integers(0, 5000))
+def test_unshuffle_kernel_matches_cpu(dtype: torch.dtype, n: int) -> None:
+    w = torch.randint(-100, 100, (n,), dtype=torch.int64).to(dtype)
+    planes = codec.shuffle(w)
+    assert torch.equal(tk.unshuffle(planes.to(DEVICE), dtype).cpu(), codec.unshuffle(planes, dtype))
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=700, unique=True), st.sampled_from([1, 7, 256]))
+def test_elias_kernel_matches_cpu_decoder(values: list[int], block: int) -> None:
+    positions = np.array(sorted(values), dtype=np.int64)
+    stream = elias.encode(positions, block)
+    got = tk.decode_positions(stream, DEVICE)
+    assert np.array_equal(got.cpu().numpy(), elias.decode(stream))
+    assert np.array_equal(got.cpu().numpy(), positions)
+
+
+def test_elias_kernel_refuses_damaged_streams() -> None:
+    stream = bytearray(elias.encode(np.arange(0, 3000, 3, dtype=np.int64), 256))
+    stream[-5] ^= 0xFF  # inside the codes of the last block
+    with pytest.raises(FormatError):
+        tk.decode_positions(bytes(stream), DEVICE)
+    with pytest.raises(FormatError):
+        tk.decode_positions(bytes(stream[:-1]), DEVICE)
