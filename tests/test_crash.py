@@ -19,3 +19,12 @@ def test_every_kill_point_on_local_disk(tmp_path) -> None:
 def test_every_kill_point_on_s3(s3_server) -> None:
     tried = campaign(lambda: (f"s3://tpde/crash-{uuid.uuid4().hex[:10]}", s3_server["options"]))
     assert tried >= 10
+
+
+@pytest.mark.slow
+def test_kill_points_in_a_lightning_run(tmp_path) -> None:
+    pytest.importorskip("lightning")
+    from campaigns.lightning_crash import campaign
+
+    tried, total = campaign(str(tmp_path), points=6)
+    assert tried == 6 and total > 20  # saves, entry writes, removals and gc, first to last

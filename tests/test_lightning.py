@@ -370,3 +370,34 @@ def test_mount_a_lightning_trained_model(tmp_path) -> None:
                 assert torch.equal(inner(x), expected)
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
+
+
+def test_damaged_entries_are_errors_never_wrong_checkpoints(tmp_path) -> None:
+    import random
+
+    from campaigns.corrupt import damage
+
+    plugin = tpde.TPDECheckpointIO()
+    fit(str(tmp_path), plugin, save_top_k=-1)
+    plugin.teardown()
+    names = files(fsspec.filesystem("file"), str(tmp_path))
+    truth = {n: tpde.load_checkpoint(str(tmp_path / n)) for n in names}
+    rng, seen = random.Random(0), {"detected": 0, "harmless": 0, "deleted": 0}
+    for trial in range(60):
+        name = rng.choice(names)
+        copy = tmp_path / f"damaged-{trial}.ckpt"
+        copy.write_bytes((tmp_path / name).read_bytes())
+        if damage(str(copy), rng) == "delete":
+            seen["deleted"] += 1
+            continue
+        try:
+            got = tpde.load_checkpoint(str(copy))
+        except (tpde.TPDEError, pickle.UnpicklingError, RuntimeError, EOFError):
+            seen["detected"] += 1  # an entry too damaged to recognise reads as a broken torch file
+            continue
+        finally:
+            copy.unlink(missing_ok=True)
+        assert_same(comparable(got), comparable(truth[name]))
+        seen["harmless"] += 1
+    print(f"damaged entries: {seen}")
+    assert seen["detected"] > 10

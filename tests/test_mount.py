@@ -154,3 +154,44 @@ def test_export_writes_a_standalone_keyframe(tmp_path) -> None:
     exported = tpde.Checkpointer(out)
     assert exported.steps() == [3] and exported.chain.manifest(3).keyframe
     assert_same(exported.load(3), tpde.Checkpointer(run).load(3))
+
+
+@pytest.mark.parametrize("resident", ["host", "store"])
+def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str) -> None:
+    import random
+    import shutil
+
+    from campaigns.corrupt import damage
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    clean = str(tmp_path / "clean")
+    with tpde.Checkpointer(clean, keyframe_every=4) as ckpt:
+        for step in range(3):
+            with torch.no_grad():
+                net[0].weight[step] += 1.0  # a sparse change, then dense drift
+                net[2].weight.mul_(1.001)
+            ckpt.save(step, net.state_dict())
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        expected = net(x)
+    objects = sorted(os.path.relpath(p, clean) for p in fsspec.filesystem("file").find(clean)
+                     if "/data/" in p or "/steps/" in p)
+    rng, outcomes = random.Random(0), {"detected": 0, "harmless": 0}
+    for trial in range(100):
+        run = str(tmp_path / f"trial-{trial}")
+        shutil.copytree(clean, run)
+        damage(os.path.join(run, rng.choice(objects)), rng)
+        try:
+            model = tpde.mount(run, 2, torch.nn.Sequential(
+                torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)),
+                device="cpu", budget=0, resident=resident)
+            with torch.no_grad():
+                got = model(x)
+        except tpde.TPDEError:
+            outcomes["detected"] += 1
+            continue
+        assert torch.equal(got, expected), f"trial {trial}: a wrong output, silently"
+        outcomes["harmless"] += 1
+    print(f"mount ({resident}): {outcomes}")
+    assert outcomes["detected"] > 30  # the damage was real

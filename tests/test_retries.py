@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import fsspec
@@ -28,6 +29,8 @@ class Failing(MemoryFileSystem):
         fault = self._fault("put")
         if fault == "put-500":
             raise OSError(500, "InternalError (injected)")
+        if fault == "put-stall":
+            time.sleep(2)  # a server that stops answering for longer than the deadline
         super().pipe_file(path, value, **kwargs)
         if fault == "put-lost":
             raise TimeoutError("reply lost after the write landed (injected)")
@@ -71,3 +74,17 @@ def test_persistent_failure_is_a_clean_store_error(failing) -> None:
         ck.save(1, {"w": torch.zeros(10)})
     Failing.faults = []
     assert tpde.Checkpointer(failing).steps() == [0]
+
+
+def test_a_server_that_stops_answering_is_a_bounded_failure(failing, monkeypatch) -> None:
+    monkeypatch.setattr(store, "OP_TIMEOUT_S", 0.2)
+    ck = tpde.Checkpointer(failing)
+    ck.save(0, {"w": torch.ones(10)})
+    Failing.faults = ["put-stall"]  # one stalled PUT: the retry goes through
+    ck.save(1, {"w": torch.zeros(10)})
+    assert tpde.Checkpointer(failing).steps() == [0, 1]
+    Failing.faults = ["put-stall"] * store.RETRIES
+    started = time.monotonic()
+    with pytest.raises(tpde.StoreError, match="may still complete"):
+        ck.save(2, {"w": torch.full((10,), 2.0)})
+    assert time.monotonic() - started < 30  # every attempt gave up at its deadline

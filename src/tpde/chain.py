@@ -303,7 +303,7 @@ class Chain:
             return [{} for _ in recs]
         try:
             if self.store.whole_blob_reads and sum(b - a for a, b in wanted) * 2 >= m.blob_size:
-                blob = self.store.read(m.blob)
+                blob = self.store.read(m.blob, m.blob_size)
                 if len(blob) != m.blob_size:
                     raise CorruptionError(f"blob {m.blob} holds {len(blob)} bytes, the manifest "
                                           f"says {m.blob_size} (truncated?)", run=self.url,

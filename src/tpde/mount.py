@@ -21,7 +21,7 @@ import torch
 from . import dtypes
 from . import entry as entries
 from .chain import Chain
-from .errors import StepNotFoundError, TPDEError
+from .errors import CorruptionError, StepNotFoundError, TPDEError
 from .store import Store
 
 #: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
@@ -199,16 +199,22 @@ class Mount:
     def _hold(self) -> None:
         """Read every compressed section the mounted tensors need, once, into memory."""
         wanted: dict[str, set[tuple[int, int]]] = {}
+        steps: dict[str, int] = {}
         for slots in self.slots.values():
             for *_, slot in slots:
                 for at, rec in self.chain._lineage(slot.record, self.step):
                     blob = self.chain.manifest(at).blob
+                    steps[blob] = at
                     for s in rec.sections.values():
                         wanted.setdefault(blob, set()).add((s.offset, s.offset + s.length))
         held: dict[str, dict[tuple[int, int], bytes]] = {}
         for blob, ranges in wanted.items():
             order = sorted(ranges)
-            held[blob] = dict(zip(order, self.chain.store.read_ranges(blob, order)))
+            try:
+                held[blob] = dict(zip(order, self.chain.store.read_ranges(blob, order)))
+            except FileNotFoundError:
+                raise CorruptionError(f"blob {blob} is missing", run=self.chain.url,
+                                      step=steps[blob]) from None
             self.stats.held_compressed_bytes += sum(b - a for a, b in order)
         self.chain.store = _ResidentStore(self.chain.store, held)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,32 @@ _INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "ab
 T = TypeVar("T")
 #: Attempts per remote operation and the backoff between them (doubling, with jitter).
 RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
+#: A remote operation that has not answered after OP_TIMEOUT_S plus its bytes at MIN_RATE
+#: (bytes/s) counts as failed: a server that stops answering ends in a StoreError, not a hang.
+OP_TIMEOUT_S, MIN_RATE = 120.0, 1 << 20
+
+
+def _bounded(op: Callable[[], T], nbytes: int = 0) -> T:
+    """Run ``op`` with a deadline. A late op keeps running on its daemon thread, its result
+    unused; a daemon thread, so that a server that never answers cannot hold up exit either."""
+    limit = OP_TIMEOUT_S + nbytes / MIN_RATE
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = op()
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="tpde-store", daemon=True).start()
+    if not done.wait(limit):
+        raise TimeoutError(f"no answer within {limit:.0f} s (it may still complete)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 @dataclass(frozen=True)
@@ -48,15 +75,16 @@ class Store:
         self.root = self.root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
 
-    def _retry(self, what: str, op: Callable[[], T]) -> T:
+    def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
 
         A missing object is an answer, not a failure; local disks are not retried (their errors
-        are not transient). Any other backend exception ends as a ``StoreError``.
+        are not transient). Remote attempts have a deadline (``OP_TIMEOUT_S`` plus ``nbytes`` at
+        ``MIN_RATE``). Any other backend exception ends as a ``StoreError``.
         """
         for attempt in range(1 if self.local else RETRIES):
             try:
-                return op()
+                return op() if self.local else _bounded(op, nbytes)
             except FileNotFoundError:
                 raise
             except Exception as exc:  # backends raise OSError, timeouts, aiohttp/botocore errors
@@ -80,7 +108,7 @@ class Store:
         """Write ``data`` so that readers see the whole object or none of it."""
         path = self._abs(rel)
         if not self.local:
-            self._retry(f"write {rel} in", lambda: self._put_once(path, data))
+            self._retry(f"write {rel} in", lambda: self._put_once(path, data), len(data))
             return
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -119,8 +147,8 @@ class Store:
             pass
 
     # ------------------------------------------------------------------ reads
-    def read(self, rel: str) -> bytes:
-        return self._retry(f"read {rel} in", lambda: self.fs.cat_file(self._abs(rel)))
+    def read(self, rel: str, size_hint: int = 0) -> bytes:
+        return self._retry(f"read {rel} in", lambda: self.fs.cat_file(self._abs(rel)), size_hint)
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Several ``[start, end)`` ranges of one object, fetched concurrently where possible."""
@@ -129,7 +157,7 @@ class Store:
         path = self._abs(rel)
         out = self._retry(f"read {rel} in", lambda: self.fs.cat_ranges(
             [path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
-            on_error="raise"))
+            on_error="raise"), sum(b - a for a, b in ranges))
         for data, (a, b) in zip(out, ranges):
             if len(data) != b - a:
                 raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
@@ -197,7 +225,10 @@ class BlobWriter:
         """Append ``data``; returns the offset it starts at."""
         at = self.size
         try:
-            self._f.write(data)
+            if self.store.local:
+                self._f.write(data)
+            else:  # a part upload may start here
+                _bounded(lambda: self._f.write(data), len(data))
         except Exception as exc:  # remote backends also raise timeouts and client errors
             raise StoreError(f"cannot write {self.store.url}/{self.rel}: {exc}") from exc
         self.size += len(data)
@@ -209,7 +240,9 @@ class BlobWriter:
             if self.store.local:
                 self._f.flush()
                 os.fsync(self._f.fileno())
-            self._f.close()
+                self._f.close()
+            else:  # the last part and the completing request
+                _bounded(self._f.close, self.size)
         except Exception as exc:  # remote backends also raise timeouts and client errors
             raise StoreError(f"cannot finish {self.store.url}/{self.rel}: {exc}") from exc
 

@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from typing import Callable
 
@@ -30,19 +31,29 @@ EVENTS = [(store.BlobWriter, "write"), (store.BlobWriter, "close"), (store.Store
           (store.Store, "delete"), (os, "fsync"), (os, "replace")]
 
 
-def _child(action: str, url: str, options: dict | None, kill_at: int, steps: int) -> None:
-    count = [0]
+def arm(kill_at: int) -> list[int]:
+    """Make this process SIGKILL itself at its ``kill_at``-th store operation (0: never).
+
+    Returns the live count of operations so far (one cell, shared by every thread).
+    """
+    count, lock = [0], threading.Lock()
 
     def armed(original: Callable) -> Callable:
         def wrapper(*args, **kwargs):
-            count[0] += 1
-            if count[0] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            with lock:
+                count[0] += 1
+                if count[0] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
             return original(*args, **kwargs)
         return wrapper
 
     for owner, name in EVENTS:
         setattr(owner, name, armed(getattr(owner, name)))
+    return count
+
+
+def _child(action: str, url: str, options: dict | None, kill_at: int, steps: int) -> None:
+    arm(kill_at)
     ck = tpde.Checkpointer(url, storage_options=options, keyframe_every=3, chunk_bytes=4096)
     if action == "save":
         ck.load()
