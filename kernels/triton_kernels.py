@@ -4,19 +4,23 @@ Elias-delta position decoder (one program per block of codes, started from its s
 Each kernel has its CPU reference in ``tpde.codec`` / ``tpde.elias``, and the tests compare them;
 without a GPU the tests run these kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
 tensors. Triton ships with the CUDA builds of torch; ``available()`` says whether it imports.
-The decode pipeline does not call these kernels yet: that wiring (with nvCOMP decompressing
-straight into device buffers) waits for a GPU to measure it on.
+``Chain.materialize(on=device)`` rebuilds words with them (a mount on a CUDA device does);
+zstd still decompresses on the CPU: nvCOMP decompressing straight into device buffers is the
+next step, for a machine with a GPU to measure it on.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from typing import Any
 
 import numpy as np
 import torch
 
 from tpde import elias
-from tpde.errors import FormatError
+from tpde.errors import FormatError, UnsupportedError
 
 try:
     import triton
@@ -109,6 +113,18 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, -(-n // BLOCK)),)
 
 
+_interpreting = threading.Lock()
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """Launch ``kernel``; under Triton's interpreter launches queue (it is not thread-safe)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with _interpreting:
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     """``tpde.codec.unshuffle`` on the device of ``planes``."""
     width = torch.empty(0, dtype=word_dtype).element_size()
@@ -117,7 +133,7 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     n = planes.numel() // width
     out = torch.empty(planes.numel(), dtype=torch.uint8, device=planes.device)
     if n:
-        _unshuffle_kernel[_grid(n)](planes, out, n, WIDTH=width, BLOCK=BLOCK)
+        _launch(_unshuffle_kernel, _grid(n), planes, out, n, WIDTH=width, BLOCK=BLOCK)
     return out.view(word_dtype)
 
 
@@ -129,12 +145,12 @@ def apply_residual_(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> 
     if n == 0:
         return ref
     if how == "xor":
-        _xor_kernel[_grid(n)](ref, r, n, BLOCK=BLOCK)
+        _launch(_xor_kernel, _grid(n), ref, r, n, BLOCK=BLOCK)
         return ref
     if how != "sub" or kind == "raw":
         raise FormatError(f"unknown residual {how!r} for {kind} words")
     bits = ref.element_size() * 8
-    _sub_kernel[_grid(n)](ref, r, n, LOW=(1 << (bits - 1)) - 1, FLOAT=kind == "float",
+    _launch(_sub_kernel, _grid(n), ref, r, n, LOW=(1 << (bits - 1)) - 1, FLOAT=kind == "float",
                           BITS=bits, BLOCK=BLOCK)
     return ref
 
@@ -144,7 +160,7 @@ def apply_sparse_xor_(ref: torch.Tensor, positions: torch.Tensor, r: torch.Tenso
     if positions.numel() != r.numel():
         raise FormatError("sparse record has a different number of positions and values")
     if r.numel():
-        _sparse_xor_kernel[_grid(r.numel())](ref, positions, r, r.numel(), BLOCK=BLOCK)
+        _launch(_sparse_xor_kernel, _grid(r.numel()), ref, positions, r, r.numel(), BLOCK=BLOCK)
     return ref
 
 
@@ -162,12 +178,12 @@ def decode_positions(stream: bytes | memoryview, device: torch.device, *,
     offsets = sync[:, 0].astype(np.int64)
     ends = np.append(offsets[1:], nbits).astype(np.int64)
     sizes = np.minimum(block, count - np.arange(nsync) * block).astype(np.int64)
-    as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    as_dev = lambda a: torch.from_numpy(np.array(a)).to(device)  # noqa: E731  (a copy)
     # Eight zero bytes of padding: a read at the very end of the codes stays in bounds.
     code_bytes = as_dev(np.frombuffer(bytes(codes) + bytes(8), dtype=np.uint8))
     out = torch.empty(nsync * block, dtype=torch.int64, device=device)
     errors = torch.zeros(nsync, dtype=torch.int32, device=device)
-    _elias_kernel[(nsync,)](code_bytes, as_dev(offsets), as_dev(ends),
+    _launch(_elias_kernel, (nsync,), code_bytes, as_dev(offsets), as_dev(ends),
                             as_dev(sync[:, 1].astype(np.int64)), as_dev(sizes), out, errors, block)
     if bool(errors.any()):
         raise FormatError("position stream blocks do not end at the next sync point")
@@ -179,3 +195,43 @@ def decode_positions(stream: bytes | memoryview, device: torch.device, *,
     if limit is not None and int(p[-1]) >= limit:
         raise FormatError(f"position stream points past the end of a tensor of {limit} elements")
     return p
+
+
+def decode(codec_name: str, how: str | None, sections: dict[str, bytes | bytearray],
+           ref: torch.Tensor | None, n: int, word_dtype: torch.dtype, kind: str,
+           device: torch.device, positions: np.ndarray | None = None) -> torch.Tensor:
+    """``tpde.codec.decode`` (in place) with the words on ``device`` and the work in kernels.
+
+    Sections arrive decompressed; their byte planes move to ``device`` and everything after
+    that — unshuffle, residuals, the sparse scatter, the positions when not given — runs there.
+    """
+    if not available():
+        raise UnsupportedError("decoding with the GPU kernels needs triton (it ships with the "
+                               "CUDA builds of torch)")
+    def words_of(name: str) -> torch.Tensor:
+        if name not in sections:
+            raise FormatError(f"record lacks its {name!r} section")
+        data = sections[name]
+        planes = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
+            torch.empty(0, dtype=torch.uint8)
+        return unshuffle(planes.to(device), word_dtype)
+
+    if codec_name == "key":
+        words = words_of("values")
+        if words.numel() != n:
+            raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
+        return words
+    if ref is None or ref.numel() != n:
+        raise FormatError(f"{codec_name} record has no usable reference")
+    if codec_name == "same":
+        return ref
+    r = words_of("values")
+    if codec_name == "dense":
+        return apply_residual_(ref, r, how or "", kind)
+    if codec_name == "sparse":
+        if how != "xor":
+            raise FormatError(f"sparse record with residual {how!r}")
+        pos = (torch.from_numpy(positions).to(device) if positions is not None else
+               decode_positions(sections.get("positions", b""), device, limit=n))
+        return apply_sparse_xor_(ref, pos, r)
+    raise FormatError(f"unknown codec {codec_name!r}")

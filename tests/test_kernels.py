@@ -84,3 +84,44 @@ def test_elias_kernel_refuses_damaged_streams() -> None:
         tk.decode_positions(bytes(stream), DEVICE)
     with pytest.raises(FormatError):
         tk.decode_positions(bytes(stream[:-1]), DEVICE)
+
+
+def test_chain_rebuilt_by_the_kernels_equals_the_cpu_rebuild(tmp_path) -> None:
+    import tpde
+
+    g = torch.Generator().manual_seed(0)
+    w, e = torch.randn(300, 40, generator=g), torch.randn(20000, 64, generator=g).bfloat16()
+    run = str(tmp_path / "run")
+    with tpde.Checkpointer(run, keyframe_every=8) as ckpt:
+        for step in range(5):  # key, then a few scattered changes, dense drift, frozen tensors
+            e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
+            w.mul_(1.0001)
+            ckpt.save(step, {"w": w, "e": e, "frozen": torch.arange(100), "i": torch.tensor(step)})
+    chain = tpde.Checkpointer(run).chain
+    codecs = {r.codec for s in range(5) for r in chain.manifest(s).records}
+    assert {"key", "sparse", "dense", "same"} <= codecs
+    for step in range(5):
+        cpu = chain.materialize(step)
+        kernels = chain.materialize(step, on=DEVICE)
+        assert cpu.keys() == kernels.keys()
+        for name in cpu:
+            assert torch.equal(kernels[name].cpu(), cpu[name]), (step, name)
+
+
+def test_mount_with_the_kernel_decoder(tmp_path) -> None:
+    import tpde
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    run = str(tmp_path / "run")
+    with tpde.Checkpointer(run) as ckpt:
+        for step in range(3):
+            with torch.no_grad():
+                net[0].weight[step] += 0.5
+            ckpt.save(step, net.state_dict())
+    x = torch.randn(3, 32)
+    mounted = tpde.mount(run, 2, torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                                     torch.nn.Linear(32, 4)),
+                         device=DEVICE, budget=0, decoder="kernels", prefetch=0)
+    with torch.no_grad():
+        assert torch.equal(mounted(x.to(DEVICE)).cpu(), net(x))

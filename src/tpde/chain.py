@@ -53,16 +53,27 @@ def _decompress(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, byt
             for (name, s), fr in zip(r.sections.items(), framed.values())}
 
 
-def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any]) -> torch.Tensor:
-    """Decode one record against its reference words; hash-check it when asked to."""
-    r, check, secs, ref, positions = job
+def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, torch.device | None]
+             ) -> torch.Tensor:
+    """Decode one record against its reference words; hash-check it when asked to.
+
+    With a device the words live there and the GPU kernels (``tpde.kernels``) do the work.
+    """
+    r, check, secs, ref, positions, on = job
     if isinstance(secs, TPDEError):
         raise secs
     dt = dtypes.by_name(r.dtype)
+    n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    words = codec.decode(r.codec, r.residual, secs, ref, r.numel * dt.words_per_element,
-                         dt.word_dtype, dt.kind, positions=positions, inplace=True)
-    if check and content_hash(words.view(torch.uint8).numpy()) != r.hash:
+    if on is None:
+        words = codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                             positions=positions, inplace=True)
+    else:
+        from tpde.kernels import triton_kernels
+
+        words = triton_kernels.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype,
+                                      dt.kind, on, positions)
+    if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
         raise CorruptionError("restored bytes do not match the stored hash; the chain is "
                               "damaged at this step")
     return words
@@ -328,13 +339,14 @@ class Chain:
 
     def materialize(self, step: int, names: Iterable[str] | None = None, *,
                     problems: list[Problem] | None = None, check_every: bool = False,
-                    check: bool = True, progress: Progress | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    check: bool = True, progress: Progress | None = None,
+                    on: torch.device | None = None) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt blob by blob and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
         once and held unchanged since, as a mount does); with ``check_every`` so is every delta
-        on the way, which is what ``verify`` does.  A mismatch is traced back to the first damaged
+        on the way, which is what ``verify`` does. ``on`` rebuilds the words on that device
+        with the GPU kernels (the hash check then copies them to the host).  A mismatch is traced back to the first damaged
         step either way.  With ``problems`` given, damaged tensors are reported there and skipped
         instead of raised.
         """
@@ -384,9 +396,12 @@ class Chain:
                         if r.name not in failed:
                             fail(prepared, at, r.name)
                     continue
-                jobs = [(r, checked, secs, current.get(r.name), pos)
+                jobs = [(r, checked, secs, current.get(r.name), pos, on)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
-                for (r, checked, *_), done in zip(jobs, pool.map(_attempt(_rebuild), jobs)):
+                # Kernels are launched from this thread, one record after another: the device
+                # runs them in order either way.
+                rebuilt = (map if on is not None else pool.map)(_attempt(_rebuild), jobs)
+                for (r, checked, *_), done in zip(jobs, rebuilt):
                     if isinstance(done, TPDEError):
                         if checked and not check_every and isinstance(done, CorruptionError) \
                                 and not isinstance(done, FormatError):

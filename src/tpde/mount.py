@@ -139,8 +139,17 @@ class Mount:
 
     def __init__(self, chain: Chain, step: int, model: torch.nn.Module, *,
                  device: torch.device, budget: int | None, prefetch: int,
-                 resident: str, units: tuple[type, ...] = ()) -> None:
+                 resident: str, units: tuple[type, ...] = (), decoder: str = "auto") -> None:
         units = UNITS + tuple(units)
+        if decoder not in ("auto", "cpu", "kernels"):
+            raise ValueError('decoder must be "auto", "cpu" or "kernels"')
+        from tpde.kernels import triton_kernels
+
+        if decoder == "kernels" and not triton_kernels.available():
+            raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of torch)")
+        gpu = device.type == "cuda" and triton_kernels.available()
+        #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec).
+        self.on = device if decoder == "kernels" or (decoder == "auto" and gpu) else None
         if resident not in ("host", "store"):
             raise ValueError('resident must be "host" or "store"')
         self.chain, self.step, self.model, self.device = chain, step, model, device
@@ -222,7 +231,8 @@ class Mount:
         slots = self.slots[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
-        words = self.chain.materialize(self.step, {s.record for *_, s in slots}, check=check)
+        words = self.chain.materialize(self.step, {s.record for *_, s in slots}, check=check,
+                                       on=self.on)
         self._checked.add(name)
         out = {}
         for *_, s in slots:
@@ -348,7 +358,8 @@ def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
 def mount(run: str, step: int | None = None,
           model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *, device: str | torch.device | None = None, budget: int | None = None,
           prefetch: int = 1, resident: str = "host", units: tuple[type, ...] = (),
-          storage_options: dict[str, Any] | None = None) -> torch.nn.Module:
+          decoder: str = "auto", storage_options: dict[str, Any] | None = None
+          ) -> torch.nn.Module:
     """``model`` with the weights of ``step``, each module's decoded just in time.
 
     ``step`` defaults to the entry's step when ``run`` is an entry, else the latest.
@@ -364,6 +375,11 @@ def mount(run: str, step: int | None = None,
     A module's weights are decoded when its own forward runs. Modules whose forward uses their
     children's weights directly are decoded whole: ``UNITS`` (attention and transformer layers)
     plus the types in ``units`` (add yours, or the module that reuses a tied weight).
+
+    ``decoder="auto"`` rebuilds the words with the Triton kernels on a CUDA device when triton
+    is there, else on the CPU; ``"kernels"`` forces the kernels (on the CPU they need
+    ``TRITON_INTERPRET=1`` and ``prefetch=0``, which is how they are tested without a GPU);
+    ``"cpu"`` never uses them.
     """
     if model is None:
         raise TypeError("mount needs the model (or a factory) whose weights the chain holds")
@@ -373,7 +389,7 @@ def mount(run: str, step: int | None = None,
                        ("cuda" if torch.cuda.is_available() else "cpu"))
     module.eval()
     module.tpde_mount = Mount(chain, step, module, device=dev, budget=budget,
-                              prefetch=prefetch, resident=resident, units=units)
+                              prefetch=prefetch, resident=resident, units=units, decoder=decoder)
     return module
 
 
