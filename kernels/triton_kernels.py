@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpde import elias
+from tpde import codec, elias
 from tpde.errors import FormatError, UnsupportedError
 
 try:
@@ -197,41 +197,33 @@ def decode_positions(stream: bytes | memoryview, device: torch.device, *,
     return p
 
 
-def decode(codec_name: str, how: str | None, sections: dict[str, bytes | bytearray],
-           ref: torch.Tensor | None, n: int, word_dtype: torch.dtype, kind: str,
-           device: torch.device, positions: np.ndarray | None = None) -> torch.Tensor:
-    """``tpde.codec.decode`` (in place) with the words on ``device`` and the work in kernels.
+class Kernels(codec.CPU):
+    """``tpde.codec.decode``'s backend on ``device``: byte planes move there as soon as they
+    are decompressed, and unshuffle, residuals, positions and the scatter run in kernels."""
 
-    Sections arrive decompressed; their byte planes move to ``device`` and everything after
-    that — unshuffle, residuals, the sparse scatter, the positions when not given — runs there.
-    """
-    if not available():
-        raise UnsupportedError("decoding with the GPU kernels needs triton (it ships with the "
-                               "CUDA builds of torch)")
-    def words_of(name: str) -> torch.Tensor:
+    def __init__(self, device: torch.device) -> None:
+        if not available():
+            raise UnsupportedError("decoding with the GPU kernels needs triton (it ships with "
+                                   "the CUDA builds of torch)")
+        self.device = device
+
+    def words(self, sections: dict[str, bytes | bytearray], name: str,
+              word_dtype: torch.dtype) -> torch.Tensor:
         if name not in sections:
             raise FormatError(f"record lacks its {name!r} section")
         data = sections[name]
         planes = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
             torch.empty(0, dtype=torch.uint8)
-        return unshuffle(planes.to(device), word_dtype)
+        return unshuffle(planes.to(self.device), word_dtype)
 
-    if codec_name == "key":
-        words = words_of("values")
-        if words.numel() != n:
-            raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
-        return words
-    if ref is None or ref.numel() != n:
-        raise FormatError(f"{codec_name} record has no usable reference")
-    if codec_name == "same":
-        return ref
-    r = words_of("values")
-    if codec_name == "dense":
-        return apply_residual_(ref, r, how or "", kind)
-    if codec_name == "sparse":
-        if how != "xor":
-            raise FormatError(f"sparse record with residual {how!r}")
-        pos = (torch.from_numpy(positions).to(device) if positions is not None else
-               decode_positions(sections.get("positions", b""), device, limit=n))
+    def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+        return apply_residual_(ref, r, how, kind)
+
+    def positions(self, stream: bytes | bytearray, n: int, decoded: np.ndarray | None,
+                  device: torch.device) -> torch.Tensor:
+        if decoded is not None:
+            return torch.from_numpy(decoded).to(device)
+        return decode_positions(stream, device, limit=n)
+
+    def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return apply_sparse_xor_(ref, pos, r)
-    raise FormatError(f"unknown codec {codec_name!r}")

@@ -65,14 +65,13 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, torch.devic
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    if on is None:
-        words = codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                             positions=positions, inplace=True)
-    else:
+    backend = None
+    if on is not None:
         from tpde.kernels import triton_kernels
 
-        words = triton_kernels.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype,
-                                      dt.kind, on, positions)
+        backend = triton_kernels.Kernels(on)
+    words = codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                         positions=positions, inplace=True, backend=backend)
     if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
         raise CorruptionError("restored bytes do not match the stored hash; the chain is "
                               "damaged at this step")

@@ -227,17 +227,42 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
 
 
 # ---------------------------------------------------------------- decoding
+class CPU:
+    """Where and how ``decode`` does its work: here, with torch on the reference's device."""
+
+    def words(self, sections: dict[str, bytes | bytearray], name: str,
+              word_dtype: torch.dtype) -> torch.Tensor:
+        return _words_from(sections, name, word_dtype)
+
+    def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+        return apply_residual(ref, r.to(ref.device), how, kind, inplace=True)
+
+    def positions(self, stream: bytes | bytearray, n: int, decoded: np.ndarray | None,
+                  device: torch.device) -> torch.Tensor:
+        if decoded is None:
+            decoded = elias.decode(stream, limit=n)
+        return torch.from_numpy(decoded).to(device)
+
+    def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        r = r.to(ref.device)
+        ref[pos] = ref[pos] ^ r
+        return ref
+
+
 def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], ref: torch.Tensor | None,
            n: int, word_dtype: torch.dtype, kind: str,
-           positions: np.ndarray | None = None, inplace: bool = False) -> torch.Tensor:
+           positions: np.ndarray | None = None, inplace: bool = False,
+           backend: CPU | None = None) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
     a whole step's streams in one batch with ``elias.decode_many``).  With ``inplace`` a delta
-    overwrites ``ref`` instead of copying it: for callers that own ``ref``.
+    overwrites ``ref`` instead of copying it: for callers that own ``ref``. ``backend`` does the
+    work elsewhere (the GPU kernels in ``tpde.kernels``); it always works in place.
     """
+    do = backend or CPU()
     if codec == "key":
-        words = _words_from(sections, "values", word_dtype)
+        words = do.words(sections, "values", word_dtype)
         if words.numel() != n:
             raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
         return words
@@ -245,23 +270,19 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
         raise FormatError(f"{codec} record has no usable reference")
     if codec == "same":
         return ref
-    r = _words_from(sections, "values", word_dtype).to(ref.device)
+    r = do.words(sections, "values", word_dtype)
+    out = ref if inplace or backend is not None else ref.clone()
     if codec == "dense":
         if r.numel() != n:
             raise FormatError(f"dense residual holds {r.numel()} words where {n} are expected")
-        return apply_residual(ref, r, how or "", kind, inplace=inplace)
+        return do.dense(out, r, how or "", kind)
     if codec == "sparse":
         if how != "xor":
             raise FormatError(f"sparse record with residual {how!r}")
-        if positions is None:
-            positions = elias.decode(sections.get("positions", b""), limit=n)
-        pos = torch.from_numpy(positions)
+        pos = do.positions(sections.get("positions", b""), n, positions, ref.device)
         if pos.numel() != r.numel():
             raise FormatError("sparse record has a different number of positions and values")
-        out = ref if inplace else ref.clone()
-        pos = pos.to(ref.device)
-        out[pos] = ref[pos] ^ r
-        return out
+        return do.sparse(out, pos, r)
     raise FormatError(f"unknown codec {codec!r}")
 
 
