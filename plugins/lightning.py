@@ -127,6 +127,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._jobs: Queue[Callable[[], None]] = Queue()
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._seen: entries.Seen = {}
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ the contract
@@ -260,7 +261,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
 
     def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
         """Hide the steps no entry names any more and free what nothing needs."""
-        hidden = entries.orphans(ckpt.chain, folder, self.storage_options)
+        hidden = entries.orphans(ckpt.chain, folder, self.storage_options, self._seen)
         for step in hidden:
             ckpt.remove(step)
         report = ckpt.gc()

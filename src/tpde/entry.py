@@ -172,9 +172,26 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
 load_checkpoint.__module__ = "tpde"
 
 
-def roots(folder_url: str, chain: Chain,
-          storage_options: dict[str, Any] | None = None) -> dict[int, str]:
+#: Entries already read, by URL and a version that changes with every rewrite (an ETag or
+#: generation on object stores, inode and mtime on disk): a writer that collects after every
+#: save reads each entry once, not once per save.
+Seen = dict[tuple[str, Any], "CheckpointEntry | None"]
+
+
+def _version(item: dict[str, Any]) -> Any:
+    """What identifies one write of a listed file, or None where the listing has nothing exact."""
+    for key in ("ETag", "etag", "generation"):
+        if item.get(key):
+            return item[key]
+    if item.get("ino") is not None:  # atomic replacement on disk makes a new inode
+        return (item["ino"], item.get("mtime"))
+    return None
+
+
+def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
+          seen: Seen | None = None) -> dict[int, str]:
     """Steps of ``chain`` that entries in ``folder_url`` point to (step -> blob)."""
+    seen = {} if seen is None else seen
     fs, root = filesystem(folder_url, storage_options)
     try:
         listing = fs.ls(root, detail=True, refresh=True)
@@ -186,10 +203,13 @@ def roots(folder_url: str, chain: Chain,
             continue
         name = item["name"]
         url = name if "://" not in folder_url else f"{folder_url.split('://', 1)[0]}://{name}"
-        try:
-            entry = read(url, storage_options)
-        except (FileNotFoundError, TPDEError):
-            continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
+        key = (url, _version(item))
+        if key[1] is None or key not in seen:
+            try:
+                seen[key] = read(url, storage_options)
+            except (FileNotFoundError, TPDEError):
+                continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
+        entry = seen[key]
         if entry is not None and _same_chain(url, entry, chain):
             found[entry.step] = entry.blob
     return found
@@ -207,10 +227,10 @@ def _same_chain(path: str, entry: CheckpointEntry, chain: Chain) -> bool:
     return normalize(f"{folder(path)}/{entry.run}") == normalize(chain.url)
 
 
-def orphans(chain: Chain, folder_url: str,
-            storage_options: dict[str, Any] | None = None) -> list[int]:
+def orphans(chain: Chain, folder_url: str, storage_options: dict[str, Any] | None = None,
+            seen: Seen | None = None) -> list[int]:
     """Visible steps of ``chain`` that no entry in ``folder_url`` names: the ones to hide."""
-    live = roots(folder_url, chain, storage_options)
+    live = roots(folder_url, chain, storage_options, seen)
     return [s for s in chain.steps() if live.get(s) != chain.manifest(s).blob]
 
 

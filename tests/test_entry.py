@@ -1,0 +1,37 @@
+"""Checkpoint entries: the roots of a chain, read once and re-read whenever rewritten."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpde
+from tpde import entry
+from tpde.store import Store
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_roots_follow_a_rewritten_entry(where: str, tmp_path, request) -> None:
+    if where == "local":
+        folder, options = str(tmp_path), None
+    else:
+        folder, options = "s3://tpde/entry-roots", request.getfixturevalue("s3_server")["options"]
+    url = f"{folder}/{entry.CHAIN_DIR}"
+    with tpde.Checkpointer(url, storage_options=options) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.full((8,), float(step))})
+    chain = ckpt.chain
+
+    def point(step: int) -> None:
+        data = entry.to_bytes(entry.CheckpointEntry(run=entry.CHAIN_DIR, run_url=url, step=step,
+                                                    blob=chain.manifest(step).blob))
+        Store(folder, options).put_atomic("last.ckpt", data)
+
+    seen: entry.Seen = {}
+    point(1)
+    assert entry.roots(folder, chain, options, seen) == {1: chain.manifest(1).blob}
+    point(2)  # the same size, rewritten at once: the cache must not answer for it
+    assert entry.roots(folder, chain, options, seen) == {2: chain.manifest(2).blob}
+    assert entry.orphans(chain, folder, options, seen) == [1]
+    assert torch.equal(entry.load_checkpoint(f"{folder}/last.ckpt", storage_options=options)["w"],
+                       torch.full((8,), 2.0))
