@@ -141,8 +141,8 @@ def compare(root: str, *, epochs: int = 3, every: int = 4, dim: int = 128,
         started = time.perf_counter()
         _, model = train(folder, meter, epochs=epochs, every=every, dim=dim, layers=layers)
         inner = meter.checkpoint_io
-        written = (sum(r.stored_bytes for r in inner.reports)
-                   if isinstance(inner, tpde.TPDECheckpointIO) else meter.torch_bytes)
+        written = (inner.stored_bytes if isinstance(inner, tpde.TPDECheckpointIO)
+                   else meter.torch_bytes)
         out[name] = {"checkpoints": len(meter.stalls_ms), "written_bytes": written,
                      "state_bytes": meter.torch_bytes // max(1, len(meter.stalls_ms)),
                      "disk_bytes": disk_bytes(folder),
