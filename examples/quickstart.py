@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import sys
-import time
 
 import torch
 

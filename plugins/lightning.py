@@ -159,21 +159,19 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
         path = str(path)
-        found = entries.read(path, self.storage_options)
-        if found is None:
+        chain, step, _ = entries.resolve(path, self.storage_options)
+        if step is None:  # not an entry: a plain checkpoint (or nothing, which _load reports)
             from lightning.fabric.utilities.cloud_io import _load
 
             return _load(path, map_location=map_location, weights_only=weights_only)
-        chain = entries.chain_for(path, found, self.storage_options)
-        entries.check(chain, found.step, found.blob, path)
         # Lightning's default (a torch-style callable) keeps tensors on the CPU, as this does.
         location = map_location if isinstance(map_location, (str, dict, torch.device)) else "cpu"
         trusted = weights_only is False
         here = self._chain_url(_split(path)[0])
         if _rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
             # The writer resumes here: its next save is a delta against this step.
-            return self._checkpointer(here).load(found.step, location, trusted=trusted)
-        state, _ = chain.load(found.step, map_location=location, trusted=trusted)
+            return self._checkpointer(here).load(step, location, trusted=trusted)
+        state, _ = chain.load(step, map_location=location, trusted=trusted)
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -225,9 +223,11 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         data = entries.to_bytes(entries.CheckpointEntry(
             run=self.chain_dir, run_url=url, step=step, blob=blob, raw_bytes=info.raw_bytes,
             stored_bytes=info.stored_bytes, meta=meta))
-        store = Store(folder, options)
-        replaced = entries.read(path, options) if store.exists(name) else None
-        store.put_atomic(name, data)
+        try:
+            replaced = entries.read(path, options)
+        except FileNotFoundError:
+            replaced = None
+        Store(folder, options).put_atomic(name, data)
         report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
                             stall_ms, time.perf_counter() - started, info.codecs)
         self.reports.append(report)

@@ -10,7 +10,6 @@ import torch
 
 from . import codec, dtypes, frames, tree
 from .chain import Chain, GcReport, Problem, Reference
-from .errors import StepNotFoundError
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest
 
@@ -147,9 +146,7 @@ class Checkpointer:
         ``trusted=True`` allows unpickling objects outside torch's weights-only allowlist.
         """
         if step is None:
-            step = self.latest()
-            if step is None:
-                raise StepNotFoundError("the run has no steps yet", run=self.run)
+            step = self.chain.latest()
         state, words = self.chain.load(step, map_location=map_location, trusted=trusted)
         m = self.chain.manifest(step)
         self._reference = Reference(step, m.depth, words if self.keep_reference else {},

@@ -53,23 +53,18 @@ def _decompress(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, byt
             for (name, s), fr in zip(r.sections.items(), framed.values())}
 
 
-def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, torch.device | None]
+def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
              ) -> torch.Tensor:
     """Decode one record against its reference words; hash-check it when asked to.
 
-    With a device the words live there and the GPU kernels (``tpde.kernels``) do the work.
+    ``backend`` None decodes here; the GPU kernels' backend keeps the words on its device.
     """
-    r, check, secs, ref, positions, on = job
+    r, check, secs, ref, positions, backend = job
     if isinstance(secs, TPDEError):
         raise secs
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    backend = None
-    if on is not None:
-        from tpde.kernels import triton_kernels
-
-        backend = triton_kernels.Kernels(on)
     words = codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
                          positions=positions, inplace=True, backend=backend)
     if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
@@ -138,6 +133,15 @@ class Chain:
         """Visible steps, oldest first."""
         hidden = self.hidden()
         return [s for s in self.committed() if s not in hidden]
+
+    def latest(self) -> int:
+        """The newest visible step; a run without one is a ``StepNotFoundError``."""
+        self.require_run()
+        steps = self.steps()
+        if not steps:
+            raise StepNotFoundError("the run has no steps yet; `tpde ls` lists what is there",
+                                    run=self.url)
+        return steps[-1]
 
     def is_run(self) -> bool:
         # A run never stops being one: once seen, the marker is not asked for again.
@@ -345,8 +349,8 @@ class Chain:
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
         once and held unchanged since, as a mount does); with ``check_every`` so is every delta
         on the way, which is what ``verify`` does. ``on`` rebuilds the words on that device
-        with the GPU kernels (the hash check then copies them to the host).  A mismatch is traced back to the first damaged
-        step either way.  With ``problems`` given, damaged tensors are reported there and skipped
+        with the GPU kernels (the hash check then copies them to the host). A mismatch is
+        traced back to the first damaged step either way.  With ``problems`` given, damaged tensors are reported there and skipped
         instead of raised.
         """
         target = self.manifest(step)
@@ -371,6 +375,11 @@ class Chain:
                 plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
         current: dict[str, torch.Tensor] = {}
         steps = sorted(plan)
+        backend = None
+        if on is not None:
+            from tpde.kernels import triton_kernels
+
+            backend = triton_kernels.Kernels(on)
 
         def prepare(at: int) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
             """Fetch, decompress and decode positions of one step: nothing here needs the
@@ -395,11 +404,11 @@ class Chain:
                         if r.name not in failed:
                             fail(prepared, at, r.name)
                     continue
-                jobs = [(r, checked, secs, current.get(r.name), pos, on)
+                jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
                 # Kernels are launched from this thread, one record after another: the device
                 # runs them in order either way.
-                rebuilt = (map if on is not None else pool.map)(_attempt(_rebuild), jobs)
+                rebuilt = (map if backend is not None else pool.map)(_attempt(_rebuild), jobs)
                 for (r, checked, *_), done in zip(jobs, rebuilt):
                     if isinstance(done, TPDEError):
                         if checked and not check_every and isinstance(done, CorruptionError) \

@@ -102,7 +102,7 @@ def _out() -> Console:
 
 
 def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
-    m = chain.manifest(args.step if args.step is not None else _latest(chain))
+    m = chain.manifest(args.step if args.step is not None else chain.latest())
     tensors = [{
         "name": r.name, "dtype": r.dtype, "numel": r.numel, "device": r.device, "codec": r.codec,
         "residual": r.residual, "ref": r.ref,
@@ -129,7 +129,7 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
 
 
 def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
-    step = args.step if args.step is not None else _latest(chain)
+    step = args.step if args.step is not None else chain.latest()
     m = chain.manifest(step)
     with _bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance:
         state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance)
@@ -165,14 +165,6 @@ def _save_safetensors(state: Any, path: str) -> None:
 
     walk(state, "")
     save_file(tensors, path)
-
-
-def _latest(chain: Chain) -> int:
-    chain.require_run()
-    steps = chain.steps()
-    if not steps:
-        raise TPDEError("the run has no steps", run=chain.url)
-    return steps[-1]
 
 
 def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
@@ -217,7 +209,7 @@ def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
 
 def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
     """A step as the keyframe of a new run: mounting or loading it then decodes no deltas."""
-    step = args.step if args.step is not None else _latest(chain)
+    step = args.step if args.step is not None else chain.latest()
     m = chain.manifest(step)
     with _bar(m.raw_bytes, f"exporting step {step}", args.quiet) as advance:
         words = chain.materialize(step, progress=advance)

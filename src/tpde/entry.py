@@ -146,24 +146,15 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
     """
     path = str(path)
     if step is None:
+        chain, step, _ = resolve(path, storage_options)
         fs, p = filesystem(path, storage_options)
-        if not fs.isdir(p):
-            entry = read(path, storage_options)
-            if entry is None:
-                with fs.open(p, "rb") as f:
-                    return torch.load(f, map_location=map_location, weights_only=not trusted)
-            chain = chain_for(path, entry, storage_options)
-            check(chain, entry.step, entry.blob, path)
-            state, _ = chain.load(entry.step, map_location=map_location, trusted=trusted)
-            return state
-    chain = Chain(path, storage_options)
-    if step is None:
-        chain.require_run()
-        steps = chain.steps()
-        if not steps:
-            raise StepNotFoundError("the run has no steps yet", run=path)
-        step = steps[-1]
-    check(chain, step, blob, f"tpde.load_checkpoint({path!r}, {step})")
+        if step is None and not chain.is_run() and fs.isfile(p):
+            with fs.open(p, "rb") as f:  # a plain checkpoint
+                return torch.load(f, map_location=map_location, weights_only=not trusted)
+        step = step if step is not None else chain.latest()
+    else:
+        chain = Chain(path, storage_options)
+        check(chain, step, blob, f"tpde.load_checkpoint({path!r}, {step})")
     state, _ = chain.load(step, map_location=map_location, trusted=trusted)
     return state
 
@@ -198,12 +189,14 @@ def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None 
     except FileNotFoundError:
         return {}
     found: dict[int, str] = {}
+    listed = set()
     for item in listing:
         if item.get("type") != "file" or int(item.get("size") or 0) > MAX_ENTRY_BYTES:
             continue
         name = item["name"]
         url = name if "://" not in folder_url else f"{folder_url.split('://', 1)[0]}://{name}"
         key = (url, _version(item))
+        listed.add(key)
         if key[1] is None or key not in seen:
             try:
                 seen[key] = read(url, storage_options)
@@ -212,6 +205,8 @@ def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None 
         entry = seen[key]
         if entry is not None and _same_chain(url, entry, chain):
             found[entry.step] = entry.blob
+    for gone in seen.keys() - listed:  # replaced or removed: forget, so the cache stays small
+        del seen[gone]
     return found
 
 

@@ -21,7 +21,7 @@ import torch
 from . import dtypes
 from . import entry as entries
 from .chain import Chain
-from .errors import CorruptionError, StepNotFoundError, TPDEError
+from .errors import CorruptionError, TPDEError
 from .store import Store
 
 #: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
@@ -346,13 +346,7 @@ def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
           ) -> tuple[Chain, int]:
     chain, entry_step, _ = entries.resolve(run, storage_options)
     step = step if step is not None else entry_step
-    if step is None:
-        chain.require_run()
-        steps = chain.steps()
-        if not steps:
-            raise StepNotFoundError("the run has no steps yet", run=chain.url)
-        step = steps[-1]
-    return chain, step
+    return chain, step if step is not None else chain.latest()
 
 
 def mount(run: str, step: int | None = None,
