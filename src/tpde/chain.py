@@ -250,6 +250,9 @@ class Chain:
                     done_span, fut = pending.popleft()
                     commit(done_span, fut.result())
             writer.close()
+        except TPDEError as exc:
+            writer.abort()
+            raise exc.located(run=self.url, step=step) from exc
         except BaseException:
             writer.abort()
             raise
@@ -262,7 +265,12 @@ class Chain:
         )
         m.seconds = time.perf_counter() - started
         data = m.to_bytes()
-        self.store.put_atomic(f"{STEPS}/{_name(step)}.json", data)
+        try:
+            self.store.put_atomic(f"{STEPS}/{_name(step)}.json", data)
+        except TPDEError as exc:
+            if self.store.local:  # a failed local rename is final; a remote PUT may still land
+                self.store.delete(blob_rel)
+            raise exc.located(run=self.url, step=step) from exc
         self._manifests[step] = m = parse(data, step=step)
         return m, Reference(step, m.depth, new_words, {r.name: r for r in records})
 

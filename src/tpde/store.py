@@ -6,6 +6,7 @@ rename on local disk after fsync, a single PUT on object stores, which are atomi
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -110,9 +111,9 @@ class Store:
         if not self.local:
             self._retry(f"write {rel} in", lambda: self._put_once(path, data), len(data))
             return
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -120,7 +121,9 @@ class Store:
             os.replace(tmp, path)
             _fsync_dir(os.path.dirname(path))
         except OSError as exc:
-            raise StoreError(f"cannot write {self.url}/{rel}: {exc}") from exc
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise write_error("write", f"{self.url}/{rel}", exc) from exc
 
     def _put_once(self, path: str, data: bytes) -> None:
         """One PUT; when its outcome is unknown (the reply was lost), the object decides."""
@@ -206,6 +209,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def write_error(verb: str, where: str, exc: BaseException) -> StoreError:
+    """A failed write, with what to do when the disk or quota is full."""
+    hint = ""
+    if isinstance(exc, OSError) and exc.errno in _FULL:
+        hint = ("; the step was not committed and every committed step is intact: free space "
+                "(`tpde gc` deletes data no step needs) and save again")
+    return StoreError(f"cannot {verb} {where}: {exc}{hint}")
+
+
 class BlobWriter:
     """Appends bytes to a new object and reports offsets, so records can point into it."""
 
@@ -219,7 +234,7 @@ class BlobWriter:
             else:
                 self._f = store.fs.open(path, "wb")
         except OSError as exc:
-            raise StoreError(f"cannot create {store.url}/{rel}: {exc}") from exc
+            raise write_error("create", f"{store.url}/{rel}", exc) from exc
 
     def write(self, data: bytes | memoryview) -> int:
         """Append ``data``; returns the offset it starts at."""
@@ -230,7 +245,7 @@ class BlobWriter:
             else:  # a part upload may start here
                 _bounded(lambda: self._f.write(data), len(data))
         except Exception as exc:  # remote backends also raise timeouts and client errors
-            raise StoreError(f"cannot write {self.store.url}/{self.rel}: {exc}") from exc
+            raise write_error("write", f"{self.store.url}/{self.rel}", exc) from exc
         self.size += len(data)
         return at
 
@@ -244,7 +259,7 @@ class BlobWriter:
             else:  # the last part and the completing request
                 _bounded(self._f.close, self.size)
         except Exception as exc:  # remote backends also raise timeouts and client errors
-            raise StoreError(f"cannot finish {self.store.url}/{self.rel}: {exc}") from exc
+            raise write_error("finish", f"{self.store.url}/{self.rel}", exc) from exc
 
     def abort(self) -> None:
         """Drop a failed write: a pending multipart upload is discarded, not completed."""
