@@ -3,7 +3,7 @@ PIP := $(PYTHON) -m pip
 # The CPU build of torch: no multi-GB CUDA wheels when only the CPU is used.
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test bench bench-quick
+.PHONY: install install-dev demo test bench bench-quick bench-settings
 
 install:
 	$(PIP) install -q "$(TORCH)" -e .
@@ -17,10 +17,15 @@ demo: install
 test: install-dev
 	$(PYTHON) -m pytest
 
+# `make bench QUICK=1` is the same as `make bench-quick`.
 bench: install-dev
 	$(PIP) install -q -e ".[bench]"
-	$(PYTHON) benchmarks/chain_bench.py
+	$(PYTHON) benchmarks/compare.py $(if $(QUICK),--quick)
 
 bench-quick: install-dev
 	$(PIP) install -q -e ".[bench]"
-	$(PYTHON) benchmarks/chain_bench.py --quick --json benchmarks/results/chain_bench_quick.json
+	$(PYTHON) benchmarks/compare.py --quick
+
+bench-settings: install-dev
+	$(PIP) install -q -e ".[bench]"
+	$(PYTHON) benchmarks/chain_bench.py

@@ -1,0 +1,82 @@
+"""The benchmark's contenders round-trip real checkpoints, and its checks catch what they must."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from helpers import assert_same, training_state
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import compare  # noqa: E402
+import contenders  # noqa: E402
+
+
+def chain(steps: int = 4) -> list[dict]:
+    """A tied-weight model trained with AdamW: fp32, bf16 and int tensors plus plain values."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 16)
+    head = torch.nn.Linear(16, 50)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(steps):
+        loss = model(torch.randint(0, 50, (8,))).logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state = copy.deepcopy(training_state(model, opt, step))
+        state["bf16"] = emb.weight.detach().bfloat16().clone()
+        state["counts"] = torch.arange(step + 3)
+        state["note"] = ("epoch", step, 0.5)
+        out.append(state)
+    return out
+
+
+@pytest.mark.parametrize("index", range(len(contenders.all_contenders(compare.BEST_LEVEL))))
+def test_every_contender_restores_every_step_bit_exactly(index: int, tmp_path) -> None:
+    make = contenders.all_contenders(compare.BEST_LEVEL)[index]
+    c = make()
+    if c.needs:
+        pytest.importorskip(c.needs)
+    states = chain()
+    for step, state in enumerate(states):
+        c.save(str(tmp_path), step, state)
+    c.close(str(tmp_path))
+    reader = make() if not isinstance(c, contenders.DCP) else c  # DCP loads into known structure
+    for step in reversed(range(len(states))):
+        assert_same(reader.load(str(tmp_path), step), states[step])
+    assert 0 <= c.worst_step(str(tmp_path), len(states)) < len(states)
+
+
+def test_tpde_worst_step_is_the_deepest_delta(tmp_path) -> None:
+    c = contenders.TPDE(keyframe_every=3)
+    for step, state in enumerate(chain(6)):
+        c.save(str(tmp_path), step, state)
+    c.close(str(tmp_path))
+    assert c.worst_step(str(tmp_path), 6) == 5  # keyframes 0 and 3; 2 and 5 are two deep
+    assert c.details(str(tmp_path))["keyframes"] == [0, 3]
+
+
+def test_the_round_trip_check_names_what_differs() -> None:
+    a = chain(1)[0]
+    b = {**a, "bf16": a["bf16"].clone()}
+    b["bf16"].view(torch.int16)[3] ^= 1
+    assert compare.difference(b, a) == "/bf16: different bits"
+    assert "float32" in compare.difference({**a, "bf16": a["bf16"].float()}, a)
+    assert "list of 3 instead of tuple" in compare.difference({**a, "note": list(a["note"])}, a)
+    assert compare.difference({**a, "model": dict(a["model"])}, a) == "/model: _metadata differs"
+    assert compare.difference(a, chain(1)[0]) is None
+
+
+def test_entropy_estimate_prices_unchanged_and_random_tensors() -> None:
+    same = torch.randn(4096)
+    assert compare.residual_bits(same, same.clone()) == 0
+    noise = torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32)
+    bits = compare.residual_bits(noise, torch.zeros_like(noise))
+    assert 30 * 4096 < bits <= 33 * 4096  # random words cannot be coded below their size
