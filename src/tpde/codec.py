@@ -93,24 +93,25 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     return words.reshape(-1).view(word_dtype)
 
 
-def _order(words: torch.Tensor) -> torch.Tensor:
-    """Order-preserving integer image of float bits (an involution)."""
-    bits = words.element_size() * 8
-    return words ^ ((words >> (bits - 1)) & ((1 << (bits - 1)) - 1))
-
-
 def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
+    """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
+
+    Computed in place on one copy, so a large tensor costs about three of its size, not eight.
+    """
     if how == "xor":
         return new ^ ref
     bits = new.element_size() * 8
     if kind == "float":
-        new, ref = _order(new), _order(ref)
-    d = new - ref
-    return (d << 1) ^ (d >> (bits - 1))
+        d = _order_(new.clone())
+        d.sub_(_order_(ref.clone()))
+    else:
+        d = new - ref
+    sign = d >> (bits - 1)
+    return d.bitwise_left_shift_(1).bitwise_xor_(sign)
 
 
 def _order_(words: torch.Tensor) -> torch.Tensor:
-    """``_order`` in place."""
+    """The order-preserving integer image of float bits, in place (an involution)."""
     top = words >> (words.element_size() * 8 - 1)
     top &= (1 << (words.element_size() * 8 - 1)) - 1
     return words.bitwise_xor_(top)
@@ -217,6 +218,8 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     name, how = best
+    if name != "sparse":
+        positions = None  # not needed any more: free it before the full encode
     values = built.get(best) or _compress(build(best), s)
     enc = Encoding(name, how, count if name != "key" else 0, {"values": values})
     if name == "sparse":

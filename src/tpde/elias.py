@@ -61,22 +61,38 @@ def code_lengths(gaps: np.ndarray) -> np.ndarray:
 
 def encoded_bits(positions: np.ndarray) -> int:
     """Exact size in bits of the codes for ``positions``, without building them."""
-    return int(code_lengths(_gaps(positions)).sum())
+    p = _checked(positions)
+    return sum(int(code_lengths(_gaps(p, lo, hi)).sum()) for lo, hi in _pieces(p.size, 1))
 
 
-def _gaps(positions: np.ndarray) -> np.ndarray:
+#: Positions coded at once. The encoder's temporaries (about 16 arrays of 8 bytes per position)
+#: stay near 10 MB however many positions changed, and pieces that fit in cache code faster:
+#: 3.5M positions took 425 MB and 0.72 s coded whole, 12 MB and 0.12 s in pieces of 65536.
+PIECE = 1 << 16
+
+
+def _pieces(count: int, block: int) -> list[tuple[int, int]]:
+    step = max(block, PIECE // block * block)
+    return [(lo, min(count, lo + step)) for lo in range(0, count, step)]
+
+
+def _checked(positions: np.ndarray) -> np.ndarray:
     p = np.asarray(positions, dtype=np.int64)
     if p.ndim != 1:
         raise ValueError("positions must be one-dimensional")
-    if p.size == 0:
-        return np.zeros(0, dtype=_U64)
-    if p[0] < 0 or p[-1] > MAX_POSITION:
+    if p.size and (p[0] < 0 or p[-1] > MAX_POSITION):
         raise ValueError(f"positions must lie in [0, {MAX_POSITION}]")
-    gaps = np.empty(p.size, dtype=np.int64)
-    gaps[0] = p[0] + 1
-    np.subtract(p[1:], p[:-1], out=gaps[1:])
-    if (gaps[1:] <= 0).any():
-        raise ValueError("positions must be strictly increasing")
+    return p
+
+
+def _gaps(p: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Gaps of ``p[lo:hi]``, the first one from the position before ``lo`` (or from -1)."""
+    gaps = np.empty(hi - lo, dtype=np.int64)
+    if hi > lo:
+        gaps[0] = p[lo] - (p[lo - 1] if lo else -1)
+        np.subtract(p[lo + 1 : hi], p[lo : hi - 1], out=gaps[1:])
+        if (gaps <= 0).any():
+            raise ValueError("positions must be strictly increasing")
     return gaps.view(_U64)
 
 
@@ -87,8 +103,8 @@ def _segment_starts(sorted_keys: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1))
 
 
-def _pack(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
-    """Concatenate codes of ``lengths`` bits (each in 1..64) MSB-first into bytes."""
+def _pack(values: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, int]:
+    """Concatenate codes of ``lengths`` bits (each in 1..64) MSB-first into 64-bit words."""
     ends = np.cumsum(lengths)
     nbits = int(ends[-1]) if ends.size else 0
     nwords = (nbits + 63) // 64
@@ -107,16 +123,37 @@ def _pack(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:
         spill = np.flatnonzero(~fits)
         rest = ln[spill] - room[spill]
         words[word[spill] + 1] |= values[spill] << (_U64(64) - rest)
-    data = words[:nwords].astype(">u8").tobytes()
-    return data[: (nbits + 7) // 8], nbits
+    return words[:nwords], nbits
 
 
-def encode(positions: np.ndarray, block: int = DEFAULT_BLOCK) -> bytes:
-    """Code strictly increasing flat positions into a self-describing stream."""
-    if block < 1 or block >= 1 << 32:
-        raise ValueError("block must be in [1, 2**32)")
-    gaps = _gaps(positions)
-    count = gaps.size
+class _BitWriter:
+    """Appends MSB-first runs of 64-bit words at any bit offset."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.tail, self.nbits = _U64(0), 0
+
+    def append(self, words: np.ndarray, nbits: int) -> None:
+        used = self.nbits % 64
+        joined = np.zeros(words.size + 1, dtype=_U64)
+        if used:
+            joined[:-1] = words >> _U64(used)
+            joined[1:] |= words << _U64(64 - used)
+        else:
+            joined[:-1] = words
+        joined[0] |= self.tail
+        full = (used + nbits) // 64
+        self.parts.append(joined[:full].astype(">u8").tobytes())
+        self.tail = joined[full]
+        self.nbits += nbits
+
+    def getvalue(self) -> bytes:
+        rest = (self.nbits % 64 + 7) // 8
+        return b"".join(self.parts) + int(self.tail).to_bytes(8, "big")[:rest]
+
+
+def _codes(gaps: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """The packed codes of ``gaps``, their bit count, and each code's length."""
     n = bit_length(gaps) - 1
     ell = bit_length((n + 1).astype(_U64)) - 1
     lengths = 2 * ell + 1 + n
@@ -124,27 +161,44 @@ def encode(positions: np.ndarray, block: int = DEFAULT_BLOCK) -> bytes:
     low = gaps & ((_U64(1) << un) - _U64(1))
     long = np.flatnonzero(lengths > 64)
     if long.size == 0:
-        code_bits, nbits = _pack(((un + _U64(1)) << un) | low, lengths)
-    else:
-        # Codes longer than 64 bits (gaps >= 2**53) go as two pieces: prefix, then low bits.
-        pieces = np.ones(count, dtype=np.int64)
-        pieces[long] = 2
-        at = np.cumsum(pieces) - pieces
-        values = ((un + _U64(1)) << un) | low
-        plen = lengths.copy()
-        values[long], plen[long] = un[long] + _U64(1), 2 * ell[long] + 1
-        v = np.zeros(int(pieces.sum()), dtype=_U64)
-        ln = np.zeros(v.size, dtype=np.int64)
-        v[at], ln[at] = values, plen
-        v[at[long] + 1], ln[at[long] + 1] = low[long], n[long]
-        code_bits, nbits = _pack(v, ln)
+        words, nbits = _pack(((un + _U64(1)) << un) | low, lengths)
+        return words, nbits, lengths
+    # Codes longer than 64 bits (gaps >= 2**53) go as two pieces: prefix, then low bits.
+    pieces = np.ones(gaps.size, dtype=np.int64)
+    pieces[long] = 2
+    at = np.cumsum(pieces) - pieces
+    values = ((un + _U64(1)) << un) | low
+    plen = lengths.copy()
+    values[long], plen[long] = un[long] + _U64(1), 2 * ell[long] + 1
+    v = np.zeros(int(pieces.sum()), dtype=_U64)
+    ln = np.zeros(v.size, dtype=np.int64)
+    v[at], ln[at] = values, plen
+    v[at[long] + 1], ln[at[long] + 1] = low[long], n[long]
+    words, nbits = _pack(v, ln)
+    return words, nbits, lengths
 
-    starts = np.cumsum(lengths) - lengths
-    first = np.arange(0, count, block)
-    p = np.asarray(positions, dtype=np.int64)
-    base = np.where(first > 0, p[np.maximum(first - 1, 0)] + 1, 0)
-    sync = np.stack([starts[first], base], axis=1).astype("<u8")
-    return HEADER.pack(count, block, 0, nbits) + sync.tobytes() + code_bits
+
+def encode(positions: np.ndarray, block: int = DEFAULT_BLOCK) -> bytes:
+    """Code strictly increasing flat positions into a self-describing stream.
+
+    Positions are coded ``PIECE`` at a time (a whole number of blocks), so memory stays
+    bounded; the stream is the same as coding them all at once.
+    """
+    if block < 1 or block >= 1 << 32:
+        raise ValueError("block must be in [1, 2**32)")
+    p = _checked(positions)
+    count = p.size
+    sync = np.empty((-(-count // block), 2), dtype="<u8")
+    out = _BitWriter()
+    for lo, hi in _pieces(count, block):
+        words, nbits, lengths = _codes(_gaps(p, lo, hi))
+        first = np.arange(0, hi - lo, block)
+        starts = np.cumsum(lengths) - lengths
+        sync[lo // block : lo // block + first.size, 0] = out.nbits + starts[first]
+        sync[lo // block : lo // block + first.size, 1] = np.where(
+            lo + first > 0, p[np.maximum(lo + first - 1, 0)] + 1, 0)
+        out.append(words, nbits)
+    return HEADER.pack(count, block, 0, out.nbits) + sync.tobytes() + out.getvalue()
 
 
 class _BitReader:
