@@ -14,6 +14,8 @@ mix and, for the delta steps, an order-0 entropy estimate of the residuals, to s
 to the limit the deltas are.
 
     python benchmarks/compare.py [--quick] [--repeats N] [--only A,B] [--json OUT] [--plots DIR]
+
+Chains are written under the system's temporary folder, or under ``$TPDE_BENCH_DIR``.
 """
 
 from __future__ import annotations
