@@ -251,8 +251,9 @@ def run_suite(names: list[str], quick: bool, repeats: int) -> dict:
                        "--repeats", str(repeats)] + (["--quick"] if quick else [])
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
-                    r = {"name": f"contender {i}", "status": f"crashed (exit {done.returncode}): "
-                         f"{done.stderr.strip().splitlines()[-1:] or ''}"}
+                    last = (done.stderr.strip().splitlines() or [""])[-1]
+                    r = {"name": f"contender {i}",
+                         "status": f"crashed (exit {done.returncode}): {last}"}
                 else:
                     r = json.loads(done.stdout.strip().splitlines()[-1])
                 r = summarize(r)
