@@ -19,7 +19,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 
 import torch
 
@@ -29,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import workloads  # noqa: E402
-from compare import difference, torch_save_bytes  # noqa: E402
+from compare import difference  # noqa: E402
+from contenders import codec_mix  # noqa: E402
 
 SWEPT = ("A-gpt-pretrain", "B-minilm-finetune", "C-minilm-bf16")
 
@@ -40,15 +40,12 @@ def run_chain(states: list, **options) -> dict:
         ck = tpde.Checkpointer(os.path.join(root, "run"), **options)
         raw = stored = 0
         save_s = 0.0
-        codecs: Counter = Counter()
         for step, state in enumerate(states):
             t = time.perf_counter()
             info = ck.save(step, state)
             save_s += time.perf_counter() - t
             raw += info.raw_bytes
             stored += info.stored_bytes
-            for r in ck.chain.manifest(step).records:
-                codecs[f"{r.codec}/{r.residual}" if r.residual else r.codec] += 1
         reader = tpde.Checkpointer(os.path.join(root, "run"))
         t = time.perf_counter()
         last = reader.load(len(states) - 1)
@@ -56,7 +53,8 @@ def run_chain(states: list, **options) -> dict:
         found = difference(last, states[-1])
         assert found is None, f"round trip is not bit-exact: {found}"
         return {"raw_bytes": raw, "stored_bytes": stored, "save_mb_s": raw / 1e6 / save_s,
-                "restore_latest_mb_s": info.raw_bytes / 1e6 / restore_s, "codecs": dict(codecs)}
+                "restore_latest_mb_s": info.raw_bytes / 1e6 / restore_s,
+                "codecs": codec_mix([reader.chain.manifest(s) for s in reader.steps()])}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -72,7 +70,7 @@ def main() -> None:
                      "quick": args.quick, "workloads": {}}
     for name in SWEPT:
         states = workloads.load(name, args.quick)
-        torch_bytes = sum(torch_save_bytes(s) for s in states)
+        torch_bytes = sum(workloads.torch_sizes(name, args.quick, states))
         entry = {"checkpoints": len(states), "torch_save_bytes": torch_bytes, "settings": {}}
         # The defaults are level=1 and keyframe_every=16: the first row.
         grid = [(f"level={lv}", {"level": lv}) for lv in (1, 3, 6, 9, 12)] \

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import io
 import json
 import math
 import os
@@ -95,12 +94,6 @@ def touch(state: Any) -> None:
             touch(v)
 
 
-def torch_save_bytes(state: Any) -> int:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.tell()
-
-
 # ------------------------------------------------------------------ memory
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -164,7 +157,7 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
         except ImportError:
             return {"name": first.name, "status": f"not installed ({first.needs})"}
     states = workloads.load(workload, quick)
-    raw = [torch_save_bytes(s) for s in states]
+    raw = workloads.torch_sizes(workload, quick, states)
     out: dict[str, Any] = {"name": first.name, "status": "ok", "save_s": [],
                            "restore_latest_s": [], "restore_worst_s": [],
                            "peak_rss_save": 0, "peak_rss_restore": 0}
@@ -243,7 +236,7 @@ def run_suite(names: list[str], quick: bool, repeats: int) -> dict:
                   "{task.total}"), TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("benchmark", total=len(names) * count)
         for name in names:
-            workloads.load(name, quick)  # generate (or find cached) before any timing
+            workloads.ensure(name, quick)  # train (once) before any timing
             entry: dict[str, Any] = {"contenders": {}}
             for i in range(count):
                 bar.update(task, description=f"{name}: contender {i + 1} of {count}")

@@ -307,17 +307,20 @@ class TPDE(Contender):
 
     def details(self, folder: str) -> dict:
         reader = tpde.Checkpointer(os.path.join(folder, "run"))
-        codecs: dict[str, int] = {}
-        per_step, keyframes = {}, []
-        for step in reader.steps():
-            m = reader.chain.manifest(step)
-            per_step[str(step)] = m.stored_bytes
-            if m.keyframe:
-                keyframes.append(step)
-            for r in m.records:
-                key = f"{r.codec}/{r.residual}" if r.residual else r.codec
-                codecs[key] = codecs.get(key, 0) + 1
-        return {"codecs": codecs, "stored_per_step": per_step, "keyframes": keyframes}
+        manifests = [reader.chain.manifest(step) for step in reader.steps()]
+        return {"codecs": codec_mix(manifests),
+                "stored_per_step": {str(m.step): m.stored_bytes for m in manifests},
+                "keyframes": [m.step for m in manifests if m.keyframe]}
+
+
+def codec_mix(manifests: list) -> dict[str, int]:
+    """How many records of each codec (and residual) the given steps hold."""
+    mix: dict[str, int] = {}
+    for m in manifests:
+        for r in m.records:
+            key = f"{r.codec}/{r.residual}" if r.residual else r.codec
+            mix[key] = mix.get(key, 0) + 1
+    return mix
 
 
 def all_contenders(best_level: int) -> list[Callable[[], Contender]]:

@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "..", ".bench-cache")
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
-from quickstart import TinyGPT, corpus  # noqa: E402
+from quickstart import TinyGPT, corpus, torch_save_bytes  # noqa: E402
 
 NAMES = ("A-gpt-pretrain", "B-minilm-finetune", "C-minilm-bf16", "D-minilm-lora", "E-lightning")
 
@@ -215,8 +215,8 @@ def _cached(name: str, quick: bool) -> str:
     return os.path.join(CACHE, f"{name}{'-quick' if quick else ''}.pt")
 
 
-def load(name: str, quick: bool) -> list:
-    """The workload's checkpoints, from the cache or generated (and cached) now."""
+def ensure(name: str, quick: bool) -> str:
+    """The cached workload's path, training it first if it is not cached yet."""
     path = _cached(name, quick)
     if not os.path.exists(path):
         print(f"generating {name} by training (cached in {os.path.normpath(CACHE)})...",
@@ -225,5 +225,22 @@ def load(name: str, quick: bool) -> list:
         for made, states in generate(name, quick).items():
             torch.save(states, _cached(made, quick) + ".part")
             os.replace(_cached(made, quick) + ".part", _cached(made, quick))
+    return path
+
+
+def load(name: str, quick: bool) -> list:
+    """The workload's checkpoints, from the cache or generated (and cached) now."""
     # Lightning checkpoints hold hyperparameter objects; this cache is written by this module.
-    return torch.load(path, weights_only=False)
+    return torch.load(ensure(name, quick), weights_only=False)
+
+
+def torch_sizes(name: str, quick: bool, states: list | None = None) -> list[int]:
+    """Each checkpoint's ``torch.save`` size, computed once and kept beside the cache."""
+    cache = ensure(name, quick)
+    path = cache + ".sizes.json"
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(cache):
+        sizes = [torch_save_bytes(s) for s in (states or load(name, quick))]
+        with open(path, "w") as f:
+            json.dump(sizes, f)
+    with open(path) as f:
+        return json.load(f)
