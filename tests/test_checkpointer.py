@@ -304,3 +304,23 @@ def test_a_store_failure_mid_save_leaves_nothing_visible(store_url, monkeypatch)
     ck.gc(grace_seconds=0)
     reader = tpde.Checkpointer(url, storage_options=opts)
     assert reader.verify() == [] and torch.equal(reader.load(0)["w"], torch.ones(10_000))
+
+
+def _load_in_child(run: str, step: int) -> list[float]:
+    torch.set_num_threads(1)  # as DataLoader workers do: OpenMP's threads do not survive a fork
+    return tpde.Checkpointer(run).load(step)["w"].reshape(-1)[:4].tolist()
+
+
+def test_a_forked_child_restores_after_its_parent_did(tmp_path) -> None:
+    """Decode threads are made once per process; a forked child (a DataLoader worker) cannot
+    use its parent's, which do not exist there."""
+    import multiprocessing
+
+    run = str(tmp_path / "run")
+    w = torch.arange(100_000, dtype=torch.float32)
+    with tpde.Checkpointer(run) as ckpt:
+        ckpt.save(0, {"w": w})
+        ckpt.save(1, {"w": w + 1})
+    assert tpde.Checkpointer(run).load(1)["w"][0] == 1  # the parent's threads now exist
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_load_in_child, (run, 1)).get(timeout=60) == [1.0, 2.0, 3.0, 4.0]

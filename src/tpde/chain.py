@@ -15,6 +15,8 @@ A step is written blob first, manifest last, so a crash leaves at most an unrefe
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import uuid
 from collections import defaultdict, deque
@@ -38,6 +40,33 @@ def _name(step: int) -> str:
     return f"{step:020d}"
 
 
+_pool_lock = threading.Lock()
+_pools_of: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = {}
+
+
+def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """The process's decode threads and the threads that fetch one step ahead.
+
+    Made once per process (a forked child, such as a DataLoader worker, makes its own: the
+    parent's threads do not exist there): a mount decodes one module at a time, many times a
+    second, and starting threads for every decode cost more than decoding a small module.
+    """
+    with _pool_lock:
+        pid = os.getpid()
+        if pid not in _pools_of:
+            _pools_of.clear()
+            _pools_of[pid] = (
+                ThreadPoolExecutor(frames.default_threads(), thread_name_prefix="tpde-decode"),
+                ThreadPoolExecutor(2, thread_name_prefix="tpde-prefetch"))
+        return _pools_of[pid]
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
 def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
     def run(*args: Any) -> Any:
@@ -55,22 +84,31 @@ def _decompress(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, byt
 
 def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
              ) -> torch.Tensor:
-    """Decode one record against its reference words; hash-check it when asked to.
-
-    ``backend`` None decodes here; the GPU kernels' backend keeps the words on its device.
-    """
-    r, check, secs, ref, positions, backend = job
+    """Decode one record against its reference words (``backend`` None: here; the GPU
+    backend keeps the words on its device)."""
+    r, _, secs, ref, positions, backend = job
     if isinstance(secs, TPDEError):
         raise secs
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    words = codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                         positions=positions, inplace=True, backend=backend)
+    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                        positions=positions, inplace=True, backend=backend)
+
+
+def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
+    """``words`` if they hash to the record's hash (or need no check)."""
+    if isinstance(words, TPDEError):
+        raise words
     if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
         raise CorruptionError("restored bytes do not match the stored hash; the chain is "
                               "damaged at this step")
     return words
+
+
+def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None]
+                     ) -> torch.Tensor:
+    return _check(job[0], job[1], _rebuild(job))
 
 
 @dataclass
@@ -357,9 +395,9 @@ class Chain:
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
         once and held unchanged since, as a mount does); with ``check_every`` so is every delta
         on the way, which is what ``verify`` does. ``on`` rebuilds the words on that device
-        with the GPU kernels (the hash check then copies them to the host). A mismatch is
-        traced back to the first damaged step either way.  With ``problems`` given, damaged tensors are reported there and skipped
-        instead of raised.
+        with ``tpde.kernels.backend`` (nvCOMP and Triton; the hash check copies them to the
+        host). A mismatch is traced back to the first damaged step either way. With
+        ``problems`` given, damaged tensors are reported there and skipped instead of raised.
         """
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in set(names)]
@@ -385,9 +423,9 @@ class Chain:
         steps = sorted(plan)
         backend = None
         if on is not None:
-            from tpde.kernels import triton_kernels
+            from tpde.kernels.backend import Kernels
 
-            backend = triton_kernels.Kernels(on)
+            backend = Kernels(on)
 
         def prepare(at: int) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
             """Fetch, decompress and decode positions of one step: nothing here needs the
@@ -397,12 +435,18 @@ class Chain:
                 fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
             except TPDEError as exc:
                 return exc
-            sections = list(pool.map(_attempt(_decompress), [r for r, _ in todo], fetched))
-            return todo, sections, self._positions([r for r, _ in todo], sections)
+            recs = [r for r, _ in todo]
+            if backend is not None:
+                streams = [{n: (fr, s.raw, s.chunk) for (n, s), fr in
+                            zip(r.sections.items(), f.values())} for r, f in zip(recs, fetched)]
+                return todo, backend.decompress(streams), [None] * len(todo)
+            sections = list(pool.map(_attempt(_decompress), recs, fetched))
+            return todo, sections, self._positions(recs, sections)
 
-        with ThreadPoolExecutor(frames.default_threads(), thread_name_prefix="tpde-decode") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="tpde-prefetch") as ahead:
-            upcoming = ahead.submit(prepare, steps[0]) if steps else None
+        pool, ahead = _pools()
+        if steps:
+            upcoming = ahead.submit(prepare, steps[0]) if len(steps) > 1 else \
+                _done(prepare(steps[0]))
             for k, at in enumerate(steps):
                 prepared = upcoming.result()
                 if k + 1 < len(steps):
@@ -414,9 +458,15 @@ class Chain:
                     continue
                 jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
-                # Kernels are launched from this thread, one record after another: the device
-                # runs them in order either way.
-                rebuilt = (map if backend is not None else pool.map)(_attempt(_rebuild), jobs)
+                if backend is None:
+                    rebuilt = pool.map(_attempt(_rebuild_checked), jobs)
+                else:
+                    # Kernels are launched from this thread, one record after another (the
+                    # device runs them in order either way); the hashes are computed in the pool.
+                    words = [_attempt(_rebuild)(job) for job in jobs]
+                    backend.done([w for w in words if isinstance(w, torch.Tensor)])
+                    rebuilt = pool.map(_attempt(_check), [j[0] for j in jobs],
+                                       [j[1] for j in jobs], words)
                 for (r, checked, *_), done in zip(jobs, rebuilt):
                     if isinstance(done, TPDEError):
                         if checked and not check_every and isinstance(done, CorruptionError) \

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
+from typing import Sequence
 
 import zstandard
 
@@ -75,6 +76,19 @@ def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
         raise FormatError("chunk table does not match the stream's raw size")
 
 
+def check_declared(frames: Sequence[memoryview | bytes], sizes: list[int]) -> bool:
+    """Refuse a frame whose header declares another size than its chunk's; True when every
+    frame declares its size (some GPU encoders omit it)."""
+    try:
+        declared = [zstandard.get_frame_parameters(f).content_size for f in frames]
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
+    for d, size in zip(declared, sizes):
+        if d not in (size, zstandard.CONTENTSIZE_UNKNOWN):
+            raise FormatError(f"zstd frame declares {d} bytes where {size} are expected")
+    return zstandard.CONTENTSIZE_UNKNOWN not in declared
+
+
 def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
                threads: int | None = None) -> bytearray:
     """Decompress frames back to one stream of exactly ``raw`` bytes.
@@ -89,11 +103,8 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
         return bytearray()
     dctx = zstandard.ZstdDecompressor()
     try:
-        declared = [zstandard.get_frame_parameters(f).content_size for f in frames]
-        for d, size in zip(declared, sizes):
-            if d not in (size, zstandard.CONTENTSIZE_UNKNOWN):
-                raise FormatError(f"zstd frame declares {d} bytes where {size} are expected")
-        if len(frames) > 1 and zstandard.CONTENTSIZE_UNKNOWN not in declared:
+        declared = check_declared(frames, sizes)
+        if len(frames) > 1 and declared:
             batch = dctx.multi_decompress_to_buffer(
                 [bytes(f) for f in frames], threads=threads or default_threads(),
                 decompressed_sizes=struct.pack(f"={len(sizes)}Q", *sizes))

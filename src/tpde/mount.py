@@ -4,8 +4,9 @@ Each module that owns stored tensors gets a forward pre-hook that decodes them (
 records it needs, from their keyframe through the deltas up to the step) and a forward hook
 that gives them back unless they fit in ``budget`` (the first modules of the execution order
 stay; the others are released after use). With ``prefetch`` the next modules in execution
-order are decoded on a worker thread while the current one computes. Nothing is ever written
-to the store.
+order are decoded on a worker thread (on a CUDA device, on a stream of its own) while the
+current one computes. On a CUDA device the words are rebuilt there: nvCOMP decompresses and
+Triton kernels do the rest (``tpde.kernels.backend``). Nothing is ever written to the store.
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ class Mount:
             unit = _unit(model, owner, units)
             self.slots.setdefault(unit, []).append((owner, attr, attr in module._parameters,
                                                     slot))
+        # What the chain does not hold (non-persistent buffers such as position ids) moves to
+        # the device as it is.
+        for key, buf in list(model.named_buffers()):
+            if key not in found and buf.device.type != "meta":
+                owner, _, attr = key.rpartition(".")
+                model.get_submodule(owner)._buffers[attr] = buf.to(device)
         self.names = list(self.slots)
         self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.slots.items()}
         self.stats.modules = len(self.names)
@@ -192,6 +199,8 @@ class Mount:
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpde-mount") if prefetch else None
+        #: Prefetching on a CUDA device decodes on its own stream, beside the forward's.
+        self._side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         self._order: list[str] = list(self.names)
         self._learning: list[str] | None = []
         self._active: list[str] = []
@@ -227,6 +236,15 @@ class Mount:
             self.stats.held_compressed_bytes += sum(b - a for a, b in order)
         self.chain.store = _ResidentStore(self.chain.store, held)
 
+    def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
+        """``_decode`` on the worker thread: on the side stream, done when it returns."""
+        if self._side is None:
+            return self._decode(name)
+        with torch.cuda.stream(self._side):
+            out = self._decode(name)
+        self._side.synchronize()
+        return out
+
     def _decode(self, name: str) -> dict[str, torch.Tensor]:
         slots = self.slots[name]
         # Held compressed bytes decode to what was checked the first time: check once.
@@ -247,6 +265,8 @@ class Mount:
     def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         for owner, attr, is_param, s in self.slots[name]:
             module, t = self.model.get_submodule(owner), tensors[s.key]
+            if self._side is not None:  # made on the side stream, read on this one
+                t.record_stream(torch.cuda.current_stream(self.device))
             if is_param:
                 module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
             else:
@@ -326,7 +346,7 @@ class Mount:
                 continue
             if self.budget is not None and self._resident() + self.sizes[nxt] > self.budget:
                 break  # prefetched weights count against the budget
-            self._pending[nxt] = self._pool.submit(self._decode, nxt)
+            self._pending[nxt] = self._pool.submit(self._decode_ahead, nxt)
 
     def close(self) -> None:
         """Remove the hooks and free every decoded and held byte; the model keeps placeholders."""
@@ -370,8 +390,8 @@ def mount(run: str, step: int | None = None,
     children's weights directly are decoded whole: ``UNITS`` (attention and transformer layers)
     plus the types in ``units`` (add yours, or the module that reuses a tied weight).
 
-    ``decoder="auto"`` rebuilds the words with the Triton kernels on a CUDA device when triton
-    is there, else on the CPU; ``"kernels"`` forces the kernels (on the CPU they need
+    ``decoder="auto"`` rebuilds the words on a CUDA device when triton is there (zstd by
+    nvCOMP when the ``gpu`` extra is installed, the rest by Triton kernels), else on the CPU; ``"kernels"`` forces the kernels (on the CPU they need
     ``TRITON_INTERPRET=1`` and ``prefetch=0``, which is how they are tested without a GPU);
     ``"cpu"`` never uses them.
     """
