@@ -66,7 +66,7 @@ def main() -> None:
 
     raw = planes.numel()
     # zstd: frames written by the CPU at level 1, decoded by nvCOMP and by the CPU.
-    sec = frames.compress(codec._bytes_of(planes), level=1, chunk=frames.DEFAULT_CHUNK)
+    sec = frames.compress(memoryview(planes.numpy()), level=1, chunk=frames.DEFAULT_CHUNK)
     fr = list(sec.frames)
     ratio = round(raw / sec.stored, 3)
     row("nvCOMP decode (CPU zstd-1 frames)", median_s(
@@ -80,7 +80,7 @@ def main() -> None:
     # nvCOMP decodes one chunk per thread block: a small batch (a mounted module's weights)
     # leaves most of the GPU idle, and its latency is that of one chunk.
     for mb in (8, args.mb):
-        part = codec._bytes_of(planes)[: mb * 1_000_000]
+        part = memoryview(planes.numpy())[: mb * 1_000_000]
         for chunk in (65536, 131072, frames.DEFAULT_CHUNK):
             s = frames.compress(part, level=1, chunk=chunk)
             f = list(s.frames)

@@ -1,9 +1,10 @@
 """The GPU decoder: ``tpde.codec.decode``'s backend with nvCOMP for zstd and Triton for the rest.
 
 The values of a step's records are decompressed by nvCOMP in one batch straight into device
-memory; position streams are decompressed on the host, where their header and sync table are
-checked, and decoded on the device block by block. Unshuffle, residuals and the sparse scatter
-run in the Triton kernels. Without nvCOMP, zstd runs on the CPU and the planes are copied over.
+memory (``add_values``); position streams are decompressed on the host, where their header and
+sync table are checked, and decoded on the device block by block. Unshuffle, residuals and the
+sparse scatter run in the Triton kernels. Without nvCOMP, zstd runs on the CPU and the planes
+are copied over.
 Everything runs on a stream of the backend's own (after the work the caller had queued), so
 each piece is ordered after the one it reads without waiting for the device; ``done`` waits
 for it and hands the words over to the caller's stream.
@@ -18,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from tpde import codec, frames
+from tpde import codec
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.kernels import nvcomp, triton_kernels
 from tpde.kernels.nvcomp import Stream
@@ -70,40 +71,28 @@ class Kernels(codec.CPU):
             with torch.cuda.stream(self.stream):
                 yield
 
-    def decompress(self, records: Sequence[dict[str, Stream]]
-                   ) -> list[dict[str, Any] | TPDEError]:
-        """Every record's sections, or the error that stops that record alone."""
-        out: list[dict[str, Any] | TPDEError] = [{} for _ in records]
-        bulk: list[int] = []
-        for i, secs in enumerate(records):
-            for name, (fr, raw, chunk) in secs.items():
-                if name == "values" and self.nvcomp:
-                    bulk.append(i)
-                    continue
-                try:
-                    out[i][name] = frames.decompress(list(fr), raw, chunk)  # type: ignore[index]
-                except TPDEError as exc:
-                    out[i] = exc
-        bulk = [i for i in bulk if isinstance(out[i], dict)]
-        if not bulk:
-            return out
+    def add_values(self, sections: list[dict[str, Any] | TPDEError],
+                   values: Sequence[Stream | None]) -> None:
+        """Decode the records' values with nvCOMP, in one batch, into their ``sections``; a
+        record whose values cannot be decoded gets the error instead."""
+        todo = [i for i, v in enumerate(values) if v is not None and isinstance(sections[i], dict)]
+        if not todo:
+            return
         with self._on_stream():
             try:
-                decoded = nvcomp.decompress_many([records[i]["values"] for i in bulk], self.device)
+                decoded = nvcomp.decompress_many([values[i] for i in todo], self.device)
             except TPDEError:
                 decoded = []  # find which records are at fault: each alone
-                for i in bulk:
+                for i in todo:
                     try:
-                        decoded.append(nvcomp.decompress_many([records[i]["values"]],
-                                                              self.device)[0])
+                        decoded.append(nvcomp.decompress_many([values[i]], self.device)[0])
                     except TPDEError as exc:
                         decoded.append(exc)
-        for i, d in zip(bulk, decoded):
+        for i, d in zip(todo, decoded):
             if isinstance(d, TPDEError):
-                out[i] = d
+                sections[i] = d
             else:
-                out[i]["values"] = d  # type: ignore[index]
-        return out
+                sections[i]["values"] = d  # type: ignore[index]
 
     def words(self, sections: dict[str, Any], name: str, word_dtype: torch.dtype) -> torch.Tensor:
         if name not in sections:

@@ -34,3 +34,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def training_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+
+
+def mixed_codec_chain(run: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Five steps whose records use every codec (key, sparse, dense, same); the states by step."""
+    import tpde
+
+    g = torch.Generator().manual_seed(0)
+    w, e = torch.randn(300, 40, generator=g), torch.randn(20000, 64, generator=g).bfloat16()
+    states = {}
+    with tpde.Checkpointer(run, keyframe_every=8) as ckpt:
+        for step in range(5):  # a few scattered changes, dense drift, frozen tensors
+            e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
+            w.mul_(1.0001)
+            states[step] = {"w": w.clone(), "e": e.clone(), "frozen": torch.arange(100),
+                            "i": torch.tensor(step)}
+            ckpt.save(step, states[step])
+    return states

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tpde
-from helpers import assert_same
+from helpers import assert_same, mixed_codec_chain
 from tpde import frames
 from tpde.errors import FormatError, TPDEError
 
@@ -63,24 +63,9 @@ def test_frames_of_another_size_or_no_frames_are_refused() -> None:
         nvcomp.decompress([b"not a zstd frame at all"], 4096, 4096, torch.device("cuda"))
 
 
-def _training_chain(run: str) -> dict[int, dict[str, torch.Tensor]]:
-    """Key, sparse, dense and same records over five steps; the states, by step."""
-    g = torch.Generator().manual_seed(0)
-    w, e = torch.randn(300, 40, generator=g), torch.randn(20000, 64, generator=g).bfloat16()
-    states = {}
-    with tpde.Checkpointer(run, keyframe_every=8) as ckpt:
-        for step in range(5):
-            e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
-            w.mul_(1.0001)
-            states[step] = {"w": w.clone(), "e": e.clone(), "frozen": torch.arange(100),
-                            "i": torch.tensor(step)}
-            ckpt.save(step, states[step])
-    return states
-
-
 def test_steps_rebuilt_on_the_gpu_by_nvcomp_equal_the_cpu_rebuild(tmp_path, monkeypatch) -> None:
     run = str(tmp_path / "run")
-    states = _training_chain(run)
+    states = mixed_codec_chain(run)
     calls = []
     real = nvcomp.decompress_many
     monkeypatch.setattr(nvcomp, "decompress_many", lambda *a: calls.append(1) or real(*a))
@@ -98,7 +83,7 @@ def test_steps_rebuilt_on_the_gpu_by_nvcomp_equal_the_cpu_rebuild(tmp_path, monk
 
 def test_a_damaged_blob_is_an_error_on_the_gpu_never_a_wrong_tensor(tmp_path) -> None:
     run = tmp_path / "run"
-    _training_chain(str(run))
+    mixed_codec_chain(str(run))
     blob = sorted(p for p in run.rglob("*") if p.is_file() and p.stat().st_size > 100_000)[0]
     good = blob.read_bytes()
     rng = torch.Generator().manual_seed(2)

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run the kernels on CPU tensors
 pytest.importorskip("triton")
 
+from helpers import mixed_codec_chain  # noqa: E402
 from tpde import codec, elias  # noqa: E402
 from tpde.errors import FormatError  # noqa: E402
 from tpde.kernels import triton_kernels as tk  # noqa: E402
@@ -89,14 +90,8 @@ def test_elias_kernel_refuses_damaged_streams() -> None:
 def test_chain_rebuilt_by_the_kernels_equals_the_cpu_rebuild(tmp_path) -> None:
     import tpde
 
-    g = torch.Generator().manual_seed(0)
-    w, e = torch.randn(300, 40, generator=g), torch.randn(20000, 64, generator=g).bfloat16()
     run = str(tmp_path / "run")
-    with tpde.Checkpointer(run, keyframe_every=8) as ckpt:
-        for step in range(5):  # key, then a few scattered changes, dense drift, frozen tensors
-            e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
-            w.mul_(1.0001)
-            ckpt.save(step, {"w": w, "e": e, "frozen": torch.arange(100), "i": torch.tensor(step)})
+    mixed_codec_chain(run)
     chain = tpde.Checkpointer(run).chain
     codecs = {r.codec for s in range(5) for r in chain.manifest(s).records}
     assert {"key", "sparse", "dense", "same"} <= codecs

@@ -77,9 +77,12 @@ def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _decompress(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, bytes]:
+def _decompress(r: Record, framed: dict[str, list[memoryview]], values_elsewhere: bool = False
+                ) -> dict[str, bytes]:
+    """The record's sections decompressed here (without its values where a GPU decodes them)."""
     return {name: frames.decompress(fr, s.raw, s.chunk)
-            for (name, s), fr in zip(r.sections.items(), framed.values())}
+            for (name, s), fr in zip(r.sections.items(), framed.values())
+            if not (values_elsewhere and name == "values")}
 
 
 def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
@@ -436,11 +439,15 @@ class Chain:
             except TPDEError as exc:
                 return exc
             recs = [r for r, _ in todo]
-            if backend is not None:
-                streams = [{n: (fr, s.raw, s.chunk) for (n, s), fr in
-                            zip(r.sections.items(), f.values())} for r, f in zip(recs, fetched)]
-                return todo, backend.decompress(streams), [None] * len(todo)
-            sections = list(pool.map(_attempt(_decompress), recs, fetched))
+            on_gpu = backend is not None and backend.nvcomp
+            sections = list(pool.map(_attempt(_decompress), recs, fetched,
+                                     [on_gpu] * len(recs)))
+            if on_gpu:
+                backend.add_values(sections, [
+                    (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
+                    if "values" in r.sections else None for r, f in zip(recs, fetched)])
+            if backend is not None:  # positions are decoded on the device
+                return todo, sections, [None] * len(todo)
             return todo, sections, self._positions(recs, sections)
 
         pool, ahead = _pools()

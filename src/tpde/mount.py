@@ -391,9 +391,9 @@ def mount(run: str, step: int | None = None,
     plus the types in ``units`` (add yours, or the module that reuses a tied weight).
 
     ``decoder="auto"`` rebuilds the words on a CUDA device when triton is there (zstd by
-    nvCOMP when the ``gpu`` extra is installed, the rest by Triton kernels), else on the CPU; ``"kernels"`` forces the kernels (on the CPU they need
-    ``TRITON_INTERPRET=1`` and ``prefetch=0``, which is how they are tested without a GPU);
-    ``"cpu"`` never uses them.
+    nvCOMP when the ``gpu`` extra is installed, the rest by Triton kernels), else on the CPU;
+    ``"kernels"`` forces the kernels (on the CPU they need ``TRITON_INTERPRET=1`` and
+    ``prefetch=0``, which is how they are tested without a GPU); ``"cpu"`` never uses them.
     """
     if model is None:
         raise TypeError("mount needs the model (or a factory) whose weights the chain holds")
