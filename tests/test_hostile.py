@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from tpde import FormatError, manifest
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "chain-v1", "steps",
-                      "00000000000000000001.json")
-RAW = open(GOLDEN, "rb").read()
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+STEP_1 = os.path.join("steps", "00000000000000000001.json")
+RAW = open(os.path.join(GOLDEN, "chain-v1", STEP_1), "rb").read()
 BODY = json.loads(RAW)["body"]
+#: A manifest whose first span (bf16 ``model/w``) is stored in pieces.
+PIECES = json.loads(open(os.path.join(GOLDEN, "chain-v2", STEP_1), "rb").read())["body"]
 
 
 def signed(body: dict) -> bytes:
@@ -41,8 +43,8 @@ def test_truncation_is_refused(n: int) -> None:
             manifest.parse(RAW[:n], step=1)
 
 
-def lie(path: tuple, value: object) -> bytes:
-    body = copy.deepcopy(BODY)
+def lie(path: tuple, value: object, body: dict = BODY) -> bytes:
+    body = copy.deepcopy(body)
     node = body
     for key in path[:-1]:
         node = node[key]
@@ -69,6 +71,25 @@ def lie(path: tuple, value: object) -> bytes:
 def test_lies_behind_a_valid_digest_are_refused(path: tuple, value: object) -> None:
     with pytest.raises(FormatError):
         manifest.parse(lie(path, value), step=1)
+
+
+@pytest.mark.parametrize("path, value", [
+    (("format",), 1),                              # pieces need format 2
+    (("records", 1, "start"), 4095),               # overlaps the piece before
+    (("records", 1, "start"), 4097),               # leaves a gap
+    (("records", 1, "start"), 2**49),
+    (("records", 1, "start"), -1),
+    (("records", 1, "start"), 0),                  # name says 4096
+    (("records", 0, "start"), None),               # a whole span cannot continue
+    (("records", 1, "name"), "model/x/4096"),      # another span
+    (("records", 1, "dtype"), "float16"),          # same width, another dtype
+    (("records", 1, "device"), "cuda:0"),
+    (("records", 0, "name"), "/0"),                # a piece of no span
+])
+def test_lies_about_pieces_are_refused(path: tuple, value: object) -> None:
+    assert manifest.parse(signed(PIECES), step=1).records[1].start == 4096
+    with pytest.raises(FormatError):
+        manifest.parse(lie(path, value, PIECES), step=1)
 
 
 def test_oversized_manifest_is_refused_before_parsing() -> None:

@@ -111,8 +111,10 @@ class Checkpointer:
 
     ``reference="store"`` keeps no such copy: each tensor's previous version is read back from
     the chain while it is encoded, so saving a state larger than the free memory works, with
-    extra memory bounded by ``max_inflight_bytes`` (tensors being encoded at once), at the cost
-    of reading and decoding the previous step on every save.
+    extra memory bounded by ``max_inflight_bytes`` (bytes of tensors being encoded at once; a
+    few times that in buffers, measured in the README), at the cost of reading and decoding the
+    previous step on every save. Tensors larger than half of it (at most 64 MiB) are stored in
+    pieces, each coded on its own, so one huge tensor is bounded the same way.
 
     Saving, removing and gc hold the run's writer lease (renewed on each of them; set
     ``lease_seconds`` above the time between your saves); a second writer is refused with

@@ -22,18 +22,23 @@ import uuid
 from collections import defaultdict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from . import codec, dtypes, elias, frames, tree
 from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
                      StepNotFoundError, TPDEError)
-from .manifest import Manifest, Record, SectionRef, content_hash, parse
+from .manifest import PIECES_FORMAT, Manifest, Record, SectionRef, content_hash, parse
 from .store import Store
 
 MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
 Progress = Callable[[int], None]
+#: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
+#: pieces, each a record of its own, so that encoding a tensor, or reading its reference back
+#: from the store, never holds more than a piece of it at once. Half, so that two pieces are
+#: encoded at once: measured twice as fast as one at a time, in the same memory.
+PIECE_BYTES = 64 << 20
 
 
 def _name(step: int) -> str:
@@ -112,6 +117,53 @@ def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Ten
 def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None]
                      ) -> torch.Tensor:
     return _check(job[0], job[1], _rebuild(job))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements ``lo:hi`` of a span, stored as one record: the whole span, or one of its
+    pieces, named ``<span>/<lo>`` (no tensor's path continues another tensor's path)."""
+
+    span: tree.Span
+    lo: int
+    hi: int
+    whole: bool
+
+    @property
+    def name(self) -> str:
+        return self.span.name if self.whole else f"{self.span.name}/{self.lo}"
+
+    @property
+    def start(self) -> int | None:
+        return None if self.whole else self.lo
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.span.tensor.element_size()
+
+
+def _pieces(flat: tree.Flat, piece_bytes: int) -> Iterator[_Piece]:
+    """What a step stores, in order: each span whole, or in pieces of at most ``piece_bytes``."""
+    for span in flat.spans:
+        n, per = span.tensor.numel(), max(1, piece_bytes // span.tensor.element_size())
+        for lo in range(0, n, per) if n > per else [0]:
+            yield _Piece(span, lo, min(n, lo + per), n <= per)
+
+
+def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
+               device: torch.device | None = None) -> torch.Tensor:
+    """One span's words from the words of its records (named in ``Manifest.spans`` order), on
+    ``device`` (None: where they are); a copy whenever they move or the span has pieces."""
+    parts = [words[n] for n in names]
+    target = device if device is not None else parts[0].device
+    if len(parts) == 1:
+        return parts[0].to(target, copy=device is not None)
+    whole = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=target)
+    at = 0
+    for p in parts:
+        whole[at : at + p.numel()].copy_(p)
+        at += p.numel()
+    return whole
 
 
 @dataclass
@@ -220,7 +272,8 @@ class Chain:
         ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near
         one copy of the state. Without it nothing is kept: each tensor's reference is re-read
         from the committed chain when it is encoded. Either way at most ``max_inflight_bytes``
-        of tensors (and at least one) are being encoded at once. Callers drop the reference if
+        of tensors (and at least one piece) are being encoded at once; spans larger than half
+        of it, or than ``PIECE_BYTES``, are stored in pieces. Callers drop the reference if
         this raises. ``owned`` says the spans are private host copies (a snapshot), so they
         become the next reference as they are instead of being copied again.
         """
@@ -236,24 +289,27 @@ class Chain:
         records: list[Record] = []
         new_words: dict[str, torch.Tensor] = {}
 
-        def encode(span: tree.Span) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
-            dt = dtypes.of_tensor(span.tensor, name=span.name)
-            words = codec.to_words(span.tensor.detach(), dt.word_dtype)
+        def encode(piece: _Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
+            dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
+            w = dt.words_per_element
+            words = codec.to_words(piece.span.tensor.detach(), dt.word_dtype)
+            words = words[piece.lo * w : piece.hi * w]
             copy = words.is_cuda or (keep_reference and not owned)
             host = words.to("cpu", copy=True) if copy else words
             if keyframe:
                 ref_words = None
             elif keep_reference:
-                ref_words = reference.words.pop(span.name, None)
+                ref_words = reference.words.pop(piece.name, None)
             else:
-                ref_words = self._stored_words(reference, span.name)
+                ref_words = self._stored_words(reference, piece.name)
             enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
             # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
-            digest = (reference.records[span.name].hash if enc.codec == "same"
+            digest = (reference.records[piece.name].hash if enc.codec == "same"
                       else content_hash(host.view(torch.uint8).numpy()))
             return dt, host if keep_reference else None, enc, digest
 
-        def commit(span: tree.Span, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]) -> None:
+        def commit(piece: _Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]
+                   ) -> None:
             dt, host, enc, digest = done
             sections = {}
             for sname, sec in enc.sections.items():
@@ -263,33 +319,32 @@ class Chain:
                 sections[sname] = SectionRef(offset, sec.raw, sec.chunk, sec.table())
             ref = None
             if enc.codec == "same":
-                prev = reference.records[span.name]
+                prev = reference.records[piece.name]
                 ref = prev.ref if prev.codec == "same" else reference.step
             elif enc.codec != "key":
                 ref = reference.step
-            rec = Record(span.name, dt.name, span.tensor.numel(), span.device, enc.codec, digest,
-                         ref, enc.residual, enc.count, sections)
-            records.append(rec)
+            records.append(Record(piece.name, dt.name, piece.hi - piece.lo, piece.span.device,
+                                  enc.codec, digest, ref, enc.residual, enc.count, sections,
+                                  piece.start))
             if host is not None:
-                new_words[span.name] = host
+                new_words[piece.name] = host
 
         try:
             workers = settings.threads or frames.default_threads()
             with ThreadPoolExecutor(workers, thread_name_prefix="tpde-encode") as pool:
-                pending: deque[tuple[tree.Span, Future]] = deque()
+                pending: deque[tuple[_Piece, Future]] = deque()
                 inflight = 0
-                for span in flat.spans:
-                    size = span.tensor.numel() * span.tensor.element_size()
+                for piece in _pieces(flat, min(PIECE_BYTES, max(1, max_inflight_bytes // 2))):
                     while pending and (len(pending) >= 2 * workers
-                                       or inflight + size > max_inflight_bytes):
-                        done_span, fut = pending.popleft()
-                        commit(done_span, fut.result())
-                        inflight -= done_span.tensor.numel() * done_span.tensor.element_size()
-                    pending.append((span, pool.submit(encode, span)))
-                    inflight += size
+                                       or inflight + piece.nbytes > max_inflight_bytes):
+                        done_piece, fut = pending.popleft()
+                        commit(done_piece, fut.result())
+                        inflight -= done_piece.nbytes
+                    pending.append((piece, pool.submit(encode, piece)))
+                    inflight += piece.nbytes
                 while pending:
-                    done_span, fut = pending.popleft()
-                    commit(done_span, fut.result())
+                    done_piece, fut = pending.popleft()
+                    commit(done_piece, fut.result())
             writer.close()
         except TPDEError as exc:
             writer.abort()
@@ -303,6 +358,7 @@ class Chain:
             parent=None if self_contained else reference.step, blob=blob_rel,
             blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
             records=records,
+            format=PIECES_FORMAT if any(r.start is not None for r in records) else 1,
         )
         m.seconds = time.perf_counter() - started
         data = m.to_bytes()
@@ -535,10 +591,11 @@ class Chain:
         m = self.manifest(step)
         words = self.materialize(step, progress=progress)
         spans = []
-        for rec in m.records:
-            dt = dtypes.by_name(rec.dtype)
-            # Copy as bytes, then view: some dtypes (int1..int7) have no copy kernel of their own.
-            data = words[rec.name].to(tree.resolve_device(rec.device, map_location), copy=True)
+        for recs in m.spans():
+            dt = dtypes.by_name(recs[0].dtype)
+            # Copied as words, then viewed: some dtypes (int1..int7) have no copy kernel.
+            device = tree.resolve_device(recs[0].device, map_location)
+            data = span_words([r.name for r in recs], words, device)
             spans.append(data.view(torch.uint8).view(dt.torch_dtype))
         try:
             state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")

@@ -20,7 +20,7 @@ from rich.table import Table
 from . import __version__, dtypes, tree
 from . import entry as entries
 from .api import Checkpointer, Snapshot
-from .chain import Chain
+from .chain import Chain, span_words
 from .errors import TPDEError
 from .lease import Lease
 from .manifest import Manifest
@@ -214,8 +214,11 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
     with _bar(m.raw_bytes, f"exporting step {step}", args.quiet) as advance:
         words = chain.materialize(step, progress=advance)
     # The skeleton is copied as stored: nothing is unpickled on the way.
-    spans = [tree.Span(r.name, words[r.name].view(torch.uint8).view(
-        dtypes.by_name(r.dtype).torch_dtype), r.device) for r in m.records]
+    spans = []
+    for recs in m.spans():
+        data = span_words([r.name for r in recs], words).view(torch.uint8)
+        spans.append(tree.Span(recs[0].span, data.view(dtypes.by_name(recs[0].dtype).torch_dtype),
+                               recs[0].device))
     with Checkpointer(args.to, storage_options=args.options) as out:
         info = out.save(step, Snapshot(tree.Flat(m.skeleton, spans), m.raw_bytes))
     if args.json:

@@ -15,7 +15,9 @@ from typing import Any
 from . import codec, dtypes, frames
 from .errors import FormatError
 
-FORMAT = 1
+#: The newest format this tpde reads. Steps are written as format 1 unless they hold pieces.
+FORMAT = 2
+PIECES_FORMAT = 2
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
 DIGEST_SIZE = 16
@@ -51,6 +53,13 @@ class Record:
     residual: str | None = None
     count: int = 0
     sections: dict[str, SectionRef] = field(default_factory=dict)
+    #: Where this piece of a large span starts, in elements; None for a whole span.
+    start: int | None = None
+
+    @property
+    def span(self) -> str:
+        """The name of the span this record stores (a piece's name is ``<span>/<start>``)."""
+        return self.name if self.start is None else self.name[: -len(f"/{self.start}")]
 
     @property
     def raw_bytes(self) -> int:
@@ -92,6 +101,17 @@ class Manifest:
         """The blob plus the manifest itself: everything the step costs in the store."""
         return self.blob_size + self.__dict__.get("_size", 0)
 
+    def spans(self) -> list[list[Record]]:
+        """The records of each span (one, or its pieces in order); the skeleton's ``$t`` indexes
+        this list."""
+        out: list[list[Record]] = []
+        for r in self.records:
+            if r.start:
+                out[-1].append(r)
+            else:
+                out.append([r])
+        return out
+
     def refs(self) -> set[int]:
         return {r.ref for r in self.records if r.ref is not None}
 
@@ -106,6 +126,9 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
+        for r in body["records"]:
+            if r["start"] is None:
+                del r["start"]
         canon = _canonical(body)
         return _canonical({"body": body, "blake2b": content_hash(canon)})
 
@@ -157,7 +180,26 @@ def _build(b: dict[str, Any], step: int | None) -> Manifest:
         raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)
     if len({r.name for r in m.records}) != len(m.records):
         raise FormatError("manifest names a tensor twice", step=m.step)
+    _check_pieces(m)
     return m
+
+
+def _check_pieces(m: Manifest) -> None:
+    """Pieces of a span follow each other, end to end, with the span's dtype and device."""
+    prev: Record | None = None
+    for r in m.records:
+        if r.start is not None and (m.format < PIECES_FORMAT
+                                    or not r.name.endswith(f"/{r.start}") or not r.span):
+            raise FormatError("not a valid piece of a span", step=m.step, tensor=r.name)
+        if r.start:
+            if prev is None or prev.start is None or r.start != prev.start + prev.numel \
+                    or (r.span, r.dtype, r.device) != (prev.span, prev.dtype, prev.device):
+                raise FormatError("piece does not continue the span before it", step=m.step,
+                                  tensor=r.name)
+            if r.start + r.numel > MAX_ELEMENTS:
+                raise FormatError("span is larger than 2^48 elements", step=m.step,
+                                  tensor=r.name)
+        prev = r
 
 
 def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
@@ -168,6 +210,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         ref=None if r["ref"] is None else _int(r["ref"]),
         residual=None if r["residual"] is None else str(r["residual"]),
         count=_int(r["count"], 0, MAX_ELEMENTS),
+        start=None if r.get("start") is None else _int(r["start"], 0, MAX_ELEMENTS),
         sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
                                 [_int(n, 1) for n in s["frames"]])
                   for k, s in r["sections"].items()},

@@ -21,7 +21,7 @@ import torch
 
 from . import dtypes
 from . import entry as entries
-from .chain import Chain
+from .chain import Chain, span_words
 from .errors import CorruptionError, TPDEError
 from .store import Store
 
@@ -31,10 +31,11 @@ _CONTAINERS = ("state_dict", "model", "module", "")
 
 @dataclass(frozen=True)
 class _Slot:
-    """One stored tensor of the model: which record holds it and how it views that record."""
+    """One stored tensor of the model: which records hold its span (one, or the span's pieces)
+    and how it views that span."""
 
     key: str
-    record: str
+    records: tuple[str, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -165,15 +166,16 @@ class Mount:
             raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
                             f"{len(keys)} state-dict keys of the same shape (first: {missing[:3]});"
                             " build the model whose checkpoint this is", run=chain.url, step=step)
-        records = m.records
+        spans = m.spans()
         self.slots: dict[str, list[tuple[str, bool, _Slot]]] = {}
         for key, node in found.items():
             i = node["$t"]
-            if not isinstance(i, int) or not 0 <= i < len(records):
+            if not isinstance(i, int) or not 0 <= i < len(spans):
                 raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
-            rec = records[i]
-            slot = _Slot(key, rec.name, dtypes.by_name(rec.dtype).torch_dtype,
-                         tuple(node["shape"]), tuple(node["stride"]), int(node["offset"]))
+            recs = spans[i]
+            slot = _Slot(key, tuple(r.name for r in recs),
+                         dtypes.by_name(recs[0].dtype).torch_dtype, tuple(node["shape"]),
+                         tuple(node["stride"]), int(node["offset"]))
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
             unit = _unit(model, owner, units)
@@ -219,8 +221,8 @@ class Mount:
         wanted: dict[str, set[tuple[int, int]]] = {}
         steps: dict[str, int] = {}
         for slots in self.slots.values():
-            for *_, slot in slots:
-                for at, rec in self.chain._lineage(slot.record, self.step):
+            for name in {n for *_, slot in slots for n in slot.records}:
+                for at, rec in self.chain._lineage(name, self.step):
                     blob = self.chain.manifest(at).blob
                     steps[blob] = at
                     for s in rec.sections.values():
@@ -249,12 +251,12 @@ class Mount:
         slots = self.slots[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
-        words = self.chain.materialize(self.step, {s.record for *_, s in slots}, check=check,
-                                       on=self.on)
+        words = self.chain.materialize(self.step, {n for *_, s in slots for n in s.records},
+                                       check=check, on=self.on)
         self._checked.add(name)
         out = {}
         for *_, s in slots:
-            base = words[s.record].view(torch.uint8).view(s.dtype)
+            base = span_words(s.records, words).view(torch.uint8).view(s.dtype)
             t = base.as_strided(s.shape, s.stride, s.offset)
             out[s.key] = t.to(self.device) if self.device.type != "cpu" else t
         with self._lock:

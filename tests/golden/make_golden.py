@@ -1,10 +1,13 @@
-"""Write the golden chain once: `python tests/golden/make_golden.py`. Never regenerate it to make
-a test pass: a decoder that cannot read it has broken the format."""
+"""Write the golden chains once: `python tests/golden/make_golden.py` writes those missing. Never
+regenerate one to make a test pass: a decoder that cannot read it has broken the format.
+
+* ``chain-v1``: format 1, every span stored whole;
+* ``chain-v2``: format 2, the same states with every span above 8 KiB stored in pieces.
+"""
 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -12,10 +15,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tpde  # noqa: E402
 from states import golden_states  # noqa: E402
 
-OUT = os.path.join(os.path.dirname(__file__), "chain-v1")
+HERE = os.path.dirname(__file__)
+CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}}
 
 if __name__ == "__main__":
-    shutil.rmtree(OUT, ignore_errors=True)
-    with tpde.Checkpointer(OUT, keyframe_every=3, chunk_bytes=4096) as ck:
-        for step, state in enumerate(golden_states()):
-            print(ck.save(step, state))
+    for name, options in CHAINS.items():
+        out = os.path.join(HERE, name)
+        if os.path.exists(out):
+            continue
+        with tpde.Checkpointer(out, keyframe_every=3, chunk_bytes=4096, **options) as ck:
+            for step, state in enumerate(golden_states()):
+                print(name, ck.save(step, state))
