@@ -98,6 +98,9 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     (``device="cpu"``: to host memory; ``"cuda"``: on the GPU, encoded there); at most
     ``max_pending`` saves wait behind the running one, after which the training thread waits.
     ``teardown()`` waits for everything and raises a deferred error; the plugin stays usable.
+    ``async_save=False`` saves in ``save_checkpoint`` from the checkpoint itself, with no copy:
+    with ``reference="store"`` (see ``Checkpointer``) a save then needs memory bounded by
+    ``max_inflight_bytes``, not by the state.
     """
 
     def __init__(self, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
@@ -105,12 +108,16 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  device: str = "cpu", storage_options: dict[str, Any] | None = None,
                  async_save: bool = True, max_pending: int = 1,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, takeover: bool = False,
-                 chain_dir: str = entries.CHAIN_DIR) -> None:
+                 chain_dir: str = entries.CHAIN_DIR, reference: str = "host",
+                 max_inflight_bytes: int = 256 << 20) -> None:
         super().__init__()
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
+        if reference not in ("host", "store"):
+            raise ValueError('reference must be "host" or "store"')
         self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
-                            lease_seconds=lease_seconds, takeover=takeover)
+                            lease_seconds=lease_seconds, takeover=takeover, reference=reference,
+                            max_inflight_bytes=max_inflight_bytes)
         self.device = device
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
@@ -139,7 +146,8 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         started = time.perf_counter()
         self._room.acquire()
         try:
-            snap = snapshot(checkpoint, device=self.device)
+            # A synchronous save reads the checkpoint before training goes on: no copy needed.
+            snap = snapshot(checkpoint, device=self.device) if self.async_save else checkpoint
         except BaseException:
             self._room.release()
             raise
@@ -208,7 +216,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                                            **self.options)
         return self._runs[url]
 
-    def _write(self, snap: Snapshot, path: str, options: dict[str, Any],
+    def _write(self, snap: Snapshot | dict[str, Any], path: str, options: dict[str, Any],
                meta: dict[str, Any], stall_ms: float) -> None:
         started = time.perf_counter()
         folder, name = _split(path)

@@ -36,14 +36,17 @@ def training_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
 
 
-def mixed_codec_chain(run: str) -> dict[int, dict[str, torch.Tensor]]:
-    """Five steps whose records use every codec (key, sparse, dense, same); the states by step."""
+def mixed_codec_chain(run: str, max_inflight_bytes: int = 256 << 20
+                      ) -> dict[int, dict[str, torch.Tensor]]:
+    """Five steps whose records use every codec (key, sparse, dense, same); the states by step.
+
+    With ``max_inflight_bytes`` below 5 MB the 2.5 MB tensor ``e`` is stored in pieces."""
     import tpde
 
     g = torch.Generator().manual_seed(0)
     w, e = torch.randn(300, 40, generator=g), torch.randn(20000, 64, generator=g).bfloat16()
     states = {}
-    with tpde.Checkpointer(run, keyframe_every=8) as ckpt:
+    with tpde.Checkpointer(run, keyframe_every=8, max_inflight_bytes=max_inflight_bytes) as ckpt:
         for step in range(5):  # a few scattered changes, dense drift, frozen tensors
             e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
             w.mul_(1.0001)

@@ -63,9 +63,11 @@ def test_frames_of_another_size_or_no_frames_are_refused() -> None:
         nvcomp.decompress([b"not a zstd frame at all"], 4096, 4096, torch.device("cuda"))
 
 
-def test_steps_rebuilt_on_the_gpu_by_nvcomp_equal_the_cpu_rebuild(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("inflight", [256 << 20, 1 << 20], ids=["whole", "pieces"])
+def test_steps_rebuilt_on_the_gpu_by_nvcomp_equal_the_cpu_rebuild(tmp_path, monkeypatch,
+                                                                  inflight: int) -> None:
     run = str(tmp_path / "run")
-    states = mixed_codec_chain(run)
+    states = mixed_codec_chain(run, inflight)
     calls = []
     real = nvcomp.decompress_many
     monkeypatch.setattr(nvcomp, "decompress_many", lambda *a: calls.append(1) or real(*a))

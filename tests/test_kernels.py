@@ -87,14 +87,16 @@ def test_elias_kernel_refuses_damaged_streams() -> None:
         tk.decode_positions(bytes(stream[:-1]), DEVICE)
 
 
-def test_chain_rebuilt_by_the_kernels_equals_the_cpu_rebuild(tmp_path) -> None:
+@pytest.mark.parametrize("inflight", [256 << 20, 1 << 20], ids=["whole", "pieces"])
+def test_chain_rebuilt_by_the_kernels_equals_the_cpu_rebuild(tmp_path, inflight: int) -> None:
     import tpde
 
     run = str(tmp_path / "run")
-    mixed_codec_chain(run)
+    mixed_codec_chain(run, inflight)
     chain = tpde.Checkpointer(run).chain
-    codecs = {r.codec for s in range(5) for r in chain.manifest(s).records}
-    assert {"key", "sparse", "dense", "same"} <= codecs
+    records = [r for s in range(5) for r in chain.manifest(s).records]
+    assert {"key", "sparse", "dense", "same"} <= {r.codec for r in records}
+    assert any(r.start for r in records) == (inflight < 5 << 20)
     for step in range(5):
         cpu = chain.materialize(step)
         kernels = chain.materialize(step, on=DEVICE)
@@ -109,7 +111,7 @@ def test_mount_with_the_kernel_decoder(tmp_path) -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     run = str(tmp_path / "run")
-    with tpde.Checkpointer(run) as ckpt:
+    with tpde.Checkpointer(run, max_inflight_bytes=1024) as ckpt:  # weights in 512-byte pieces
         for step in range(3):
             with torch.no_grad():
                 net[0].weight[step] += 0.5

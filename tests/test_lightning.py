@@ -122,6 +122,39 @@ def torch_load(path: str, **kwargs: Any) -> Any:
         return torch.load(f, **kwargs)
 
 
+def test_synchronous_saves_copy_nothing_and_store_reference_matches_torch(tmp_path,
+                                                                          monkeypatch) -> None:
+    from tpde.plugins import lightning as plugin_module
+
+    taken = []
+    real = plugin_module.snapshot
+    monkeypatch.setattr(plugin_module, "snapshot", lambda *a, **k: taken.append(1)
+                        or real(*a, **k))
+    _, _, torch_cb = fit(str(tmp_path / "torch"), TorchCheckpointIO())
+    # 16 kB in flight: the embedding, head, attention and MLP weights (and the Adam moments
+    # beside them) are stored in 8 kB pieces.
+    options = dict(async_save=False, reference="store", max_inflight_bytes=16384)
+    plugin = tpde.TPDECheckpointIO(**options)
+    _, _, cb = fit(str(tmp_path / "tpde"), plugin)
+    assert not taken, "a synchronous save copied the state"
+    names = files(fsspec.filesystem("file"), str(tmp_path / "tpde"))
+    assert names == files(fsspec.filesystem("file"), str(tmp_path / "torch"))
+    for name in names:
+        assert_same(comparable(plugin.load_checkpoint(str(tmp_path / "tpde" / name))),
+                    comparable(torch.load(tmp_path / "torch" / name, weights_only=False)))
+    chain = tpde.Checkpointer(str(tmp_path / "tpde" / ".tpde")).chain
+    records = [r for s in chain.steps() for r in chain.manifest(s).records]
+    assert any(r.start is not None for r in records)
+    assert {r.codec for r in records} > {"key"}  # deltas, coded against the chain's own bytes
+
+    _, torch_resumed, _ = fit(str(tmp_path / "torch"), TorchCheckpointIO(), epochs=3,
+                              ckpt_path="last")
+    _, resumed, _ = fit(str(tmp_path / "tpde"), tpde.TPDECheckpointIO(**options), epochs=3,
+                        ckpt_path="last")
+    assert_same(resumed.state_dict(), torch_resumed.state_dict())
+    assert cli(["verify", str(tmp_path / "tpde"), "-q"]) == 0
+
+
 def test_load_from_checkpoint_and_torch_load(where, tmp_path) -> None:
     root, _ = where
     plugin = tpde.TPDECheckpointIO()
