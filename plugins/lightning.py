@@ -179,7 +179,8 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         if _rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
             # The writer resumes here: its next save is a delta against this step.
             return self._checkpointer(here).load(step, location, trusted=trusted)
-        state, _ = chain.load(step, map_location=location, trusted=trusted)
+        state, _ = chain.load(step, map_location=location, trusted=trusted,
+                              keep_words=False)
         return state
 
     def remove_checkpoint(self, path: Any) -> None:

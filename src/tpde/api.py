@@ -176,7 +176,8 @@ class Checkpointer:
         """
         if step is None:
             step = self.chain.latest()
-        state, words = self.chain.load(step, map_location=map_location, trusted=trusted)
+        state, words = self.chain.load(step, map_location=map_location, trusted=trusted,
+                                       keep_words=self.keep_reference)
         m = self.chain.manifest(step)
         self._reference = Reference(step, m.depth, words if self.keep_reference else {},
                                     {r.name: r for r in m.records})

@@ -39,6 +39,8 @@ Progress = Callable[[int], None]
 #: from the store, never holds more than a piece of it at once. Half, so that two pieces are
 #: encoded at once: measured twice as fast as one at a time, in the same memory.
 PIECE_BYTES = 64 << 20
+#: Words a rebuild reads and decompresses at once (``Chain.materialize``).
+DECODE_BATCH_BYTES = 128 << 20
 
 
 def _name(step: int) -> str:
@@ -100,8 +102,11 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU |
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                        positions=positions, inplace=True, backend=backend)
+    try:
+        return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                            positions=positions, inplace=True, backend=backend)
+    finally:
+        secs.clear()  # the decompressed sections go now, not with the rest of their batch
 
 
 def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
@@ -150,19 +155,40 @@ def _pieces(flat: tree.Flat, piece_bytes: int) -> Iterator[_Piece]:
             yield _Piece(span, lo, min(n, lo + per), n <= per)
 
 
+def _batches(items: list[tuple[Record, bool]], limit: int) -> list[list[tuple[Record, bool]]]:
+    """``items`` in order, in runs of at most ``limit`` raw bytes (at least one record each)."""
+    out: list[list[tuple[Record, bool]]] = []
+    size = limit
+    for item in items:
+        if out and size + item[0].raw_bytes <= limit:
+            out[-1].append(item)
+            size += item[0].raw_bytes
+        else:
+            out.append([item])
+            size = item[0].raw_bytes
+    return out
+
+
 def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
-               device: torch.device | None = None) -> torch.Tensor:
+               device: torch.device | None = None, *, consume: bool = False) -> torch.Tensor:
     """One span's words from the words of its records (named in ``Manifest.spans`` order), on
-    ``device`` (None: where they are); a copy whenever they move or the span has pieces."""
-    parts = [words[n] for n in names]
-    target = device if device is not None else parts[0].device
-    if len(parts) == 1:
-        return parts[0].to(target, copy=device is not None)
-    whole = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype, device=target)
+    ``device`` (None: where they are); a copy whenever they move or the span has pieces.
+    ``consume`` takes the records' words out of ``words`` as they are used, so that pieces are
+    freed while the span fills."""
+    names = list(names)
+    take = words.pop if consume else words.__getitem__
+    if len(names) == 1:
+        part = take(names[0])
+        return part.to(device if device is not None else part.device, copy=device is not None)
+    first = words[names[0]]
+    whole = torch.empty(sum(words[n].numel() for n in names), dtype=first.dtype,
+                        device=device if device is not None else first.device)
     at = 0
-    for p in parts:
-        whole[at : at + p.numel()].copy_(p)
-        at += p.numel()
+    for name in names:
+        part = take(name)
+        whole[at : at + part.numel()].copy_(part)
+        at += part.numel()
+        del part
     return whole
 
 
@@ -448,8 +474,9 @@ class Chain:
     def materialize(self, step: int, names: Iterable[str] | None = None, *,
                     problems: list[Problem] | None = None, check_every: bool = False,
                     check: bool = True, progress: Progress | None = None,
-                    on: torch.device | None = None) -> dict[str, torch.Tensor]:
-        """Host words of ``step``'s records, rebuilt blob by blob and checked against hashes.
+                    on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES
+                    ) -> dict[str, torch.Tensor]:
+        """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
         once and held unchanged since, as a mount does); with ``check_every`` so is every delta
@@ -457,6 +484,8 @@ class Chain:
         with ``tpde.kernels.backend`` (nvCOMP and Triton; the hash check copies them to the
         host). A mismatch is traced back to the first damaged step either way. With
         ``problems`` given, damaged tensors are reported there and skipped instead of raised.
+        Each step is read and decompressed in batches of about ``batch_bytes`` of words, so
+        that beside the words themselves a rebuild holds two batches, not two steps.
         """
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in set(names)]
@@ -479,17 +508,21 @@ class Chain:
             for i, (at, r) in enumerate(lineage):
                 plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
         current: dict[str, torch.Tensor] = {}
-        steps = sorted(plan)
+        # Steps in order, each in batches: a batch is fetched and decompressed while the one
+        # before is rebuilt, so beside the words themselves at most two batches are in memory.
+        units = [(at, batch) for at in sorted(plan) for batch in _batches(plan[at], batch_bytes)]
         backend = None
         if on is not None:
             from tpde.kernels.backend import Kernels
 
             backend = Kernels(on)
 
-        def prepare(at: int) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
-            """Fetch, decompress and decode positions of one step: nothing here needs the
-            previous step's words, so it runs one step ahead of the rebuild."""
-            todo = [(r, checked) for r, checked in plan[at] if r.name not in failed]
+        def prepare(unit: tuple[int, list[tuple[Record, bool]]]
+                    ) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
+            """Fetch, decompress and decode positions of one batch of a step: nothing here
+            needs the previous step's words, so it runs one batch ahead of the rebuild."""
+            at, batch = unit
+            todo = [(r, checked) for r, checked in batch if r.name not in failed]
             try:
                 fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
             except TPDEError as exc:
@@ -507,15 +540,15 @@ class Chain:
             return todo, sections, self._positions(recs, sections)
 
         pool, ahead = _pools()
-        if steps:
-            upcoming = ahead.submit(prepare, steps[0]) if len(steps) > 1 else \
-                _done(prepare(steps[0]))
-            for k, at in enumerate(steps):
+        if units:
+            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 else \
+                _done(prepare(units[0]))
+            for k, (at, batch) in enumerate(units):
                 prepared = upcoming.result()
-                if k + 1 < len(steps):
-                    upcoming = ahead.submit(prepare, steps[k + 1])
+                if k + 1 < len(units):
+                    upcoming = ahead.submit(prepare, units[k + 1])
                 if isinstance(prepared, TPDEError):
-                    for r, _ in plan[at]:
+                    for r, _ in batch:
                         if r.name not in failed:
                             fail(prepared, at, r.name)
                     continue
@@ -542,6 +575,7 @@ class Chain:
                     current[r.name] = done
                     if progress:
                         progress(r.raw_bytes)
+                del prepared, jobs, rebuilt  # this batch's sections, before the next is waited on
         result = {}
         for rec in wanted:
             if rec.name in failed:
@@ -586,16 +620,26 @@ class Chain:
         return rec.hash
 
     def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,
-             progress: Progress | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
-        """The checkpoint at ``step`` and the host words it was built from."""
+             progress: Progress | None = None, keep_words: bool = True
+             ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The checkpoint at ``step`` and the host words it was built from.
+
+        Without ``keep_words`` no words are returned and the checkpoint's tensors are the
+        rebuilt words themselves wherever they need not move: a restore then holds one copy of
+        the state, not two. (A writer keeps the words to code the next delta against, so the
+        tensors it hands out must be copies that training can change.)
+        """
         m = self.manifest(step)
         words = self.materialize(step, progress=progress)
         spans = []
         for recs in m.spans():
             dt = dtypes.by_name(recs[0].dtype)
-            # Copied as words, then viewed: some dtypes (int1..int7) have no copy kernel.
+            names = [r.name for r in recs]
             device = tree.resolve_device(recs[0].device, map_location)
-            data = span_words([r.name for r in recs], words, device)
+            if not keep_words and words[names[0]].device == device:
+                device = None
+            # Moved as words, then viewed: some dtypes (int1..int7) have no copy kernel.
+            data = span_words(names, words, device, consume=not keep_words)
             spans.append(data.view(torch.uint8).view(dt.torch_dtype))
         try:
             state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")

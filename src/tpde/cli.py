@@ -132,7 +132,8 @@ def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else chain.latest()
     m = chain.manifest(step)
     with _bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance:
-        state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance)
+        state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance,
+                              keep_words=False)
     if args.format == "torch":
         torch.save(state, args.output)
     else:

@@ -155,7 +155,7 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
     else:
         chain = Chain(path, storage_options)
         check(chain, step, blob, f"tpde.load_checkpoint({path!r}, {step})")
-    state, _ = chain.load(step, map_location=map_location, trusted=trusted)
+    state, _ = chain.load(step, map_location=map_location, trusted=trusted, keep_words=False)
     return state
 
 

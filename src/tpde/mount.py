@@ -418,7 +418,7 @@ def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module
     without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
     """
     chain, step = _open(run, step, storage_options)
-    state, _ = chain.load(step, map_location=map_location)
+    state, _ = chain.load(step, map_location=map_location, keep_words=False)
     if model is not None:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         keys = list(shapes)
