@@ -102,11 +102,8 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU |
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    try:
-        return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                            positions=positions, inplace=True, backend=backend)
-    finally:
-        secs.clear()  # the decompressed sections go now, not with the rest of their batch
+    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                        positions=positions, inplace=True, backend=backend)
 
 
 def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
@@ -121,7 +118,13 @@ def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Ten
 
 def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None]
                      ) -> torch.Tensor:
-    return _check(job[0], job[1], _rebuild(job))
+    """``_rebuild`` and ``_check`` on the host, where the decompressed sections can go as soon
+    as their record is rebuilt (a GPU's stay until the device is done with them)."""
+    try:
+        return _check(job[0], job[1], _rebuild(job))
+    finally:
+        if isinstance(job[2], dict):
+            job[2].clear()
 
 
 @dataclass(frozen=True)

@@ -106,32 +106,33 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
     if not frames:
         return bytearray()
     dctx = zstandard.ZstdDecompressor()
-    whole = bytearray(raw)  # writable: callers wrap it in a tensor without a copy
-    view, at = memoryview(whole), 0
     try:
-        # zstd allocates what a frame declares, whatever max_output_size says: sizes first.
-        if check_declared(frames, sizes) and len(frames) > 1:
-            # On all cores, a group of frames at a time: what is held beside the result
-            # stays small however large the stream.
-            for i in range(0, len(frames), DECOMPRESS_GROUP):
-                group = sizes[i : i + DECOMPRESS_GROUP]
-                parts: Any = dctx.multi_decompress_to_buffer(
-                    list(frames[i : i + DECOMPRESS_GROUP]), threads=threads or default_threads(),
-                    decompressed_sizes=struct.pack(f"={len(group)}Q", *group))
-                for part in parts:
-                    view[at : at + len(part)] = part
-                    at += len(part)
-        else:
+        # zstd allocates what a frame declares, whatever max_output_size says: sizes first,
+        # and nothing allocated before the frames have been checked.
+        if not check_declared(frames, sizes):
             # A frame that declares no size (some GPU encoders omit it) is bounded by its
             # chunk's.
+            grown = bytearray()
             for frame, n in zip(frames, sizes):
                 part = dctx.decompress(frame, max_output_size=n)
-                view[at : at + len(part)] = part
-                at += len(part)
+                if len(part) != n:
+                    raise FormatError("a zstd frame decoded to the wrong number of bytes")
+                grown += part
+            return grown
+        whole = bytearray(raw)  # writable: callers wrap it in a tensor without a copy
+        view, at = memoryview(whole), 0
+        # On all cores, a group of frames at a time, straight into the result: what is held
+        # beside it stays small however large the stream.
+        for i in range(0, len(frames), DECOMPRESS_GROUP):
+            group = sizes[i : i + DECOMPRESS_GROUP]
+            parts: Any = dctx.multi_decompress_to_buffer(
+                list(frames[i : i + DECOMPRESS_GROUP]), threads=threads or default_threads(),
+                decompressed_sizes=struct.pack(f"={len(group)}Q", *group))
+            for part, n in zip(parts, group):
+                if len(part) != n:
+                    raise FormatError("a zstd frame decoded to the wrong number of bytes")
+                view[at : at + n] = part
+                at += n
     except zstandard.ZstdError as exc:
         raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
-    except ValueError:  # a frame produced more than its chunk: the slice assignment refuses
-        raise FormatError("a zstd frame decoded to the wrong number of bytes") from None
-    if at != raw:
-        raise FormatError("a zstd frame decoded to the wrong number of bytes")
     return whole
