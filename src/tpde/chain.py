@@ -511,8 +511,7 @@ class Chain:
             for i, (at, r) in enumerate(lineage):
                 plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
         current: dict[str, torch.Tensor] = {}
-        # Steps in order, each in batches: a batch is fetched and decompressed while the one
-        # before is rebuilt, so beside the words themselves at most two batches are in memory.
+        # (step, batch) in step order; each is prepared while the one before is rebuilt.
         units = [(at, batch) for at in sorted(plan) for batch in _batches(plan[at], batch_bytes)]
         backend = None
         if on is not None:
