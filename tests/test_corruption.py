@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from campaigns.corrupt import campaign
 
 
-def test_random_damage_is_detected_never_silent() -> None:
-    stats = campaign(trials=150, seed=1)
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
+def test_random_damage_is_detected_never_silent(pieces: bool) -> None:
+    stats = campaign(trials=150, seed=1, pieces=pieces)
     assert stats["trials"] == 150
     assert stats["detected"] > 75  # most damage breaks some step; campaign() asserts the rest

@@ -21,10 +21,12 @@ def state_at(step: int) -> dict[str, Any]:
     return {"w": w, "f": f, "frozen": torch.ones(1000), "meta": {"step": step}}
 
 
-def build(url: str, options: dict | None, steps: int, *, keyframe_every: int = 3) -> dict[int, dict]:
-    """Commit ``steps`` steps to a new run; returns what each step must restore to."""
+def build(url: str, options: dict | None, steps: int, *, keyframe_every: int = 3,
+          pieces: bool = False) -> dict[int, dict]:
+    """Commit ``steps`` steps to a new run; returns what each step must restore to. With
+    ``pieces`` the two large tensors are stored in 8 kB pieces (6 records)."""
     ck = tpde.Checkpointer(url, storage_options=options, keyframe_every=keyframe_every,
-                           chunk_bytes=4096)
+                           chunk_bytes=4096, max_inflight_bytes=16384 if pieces else 256 << 20)
     expected = {}
     with ck:
         for step in range(steps):

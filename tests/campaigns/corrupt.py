@@ -5,7 +5,9 @@ damaged. Then every step either restores bit-exactly or raises a ``TPDEError`` (
 exception, never a silently wrong tensor), every step that does not depend on the damaged object
 still restores, and ``verify`` names each step that fails to load.
 
-    python tests/campaigns/corrupt.py [--trials 3000] [--seed 0]
+    python tests/campaigns/corrupt.py [--trials 3000] [--seed 0] [--pieces]
+
+``--pieces`` stores the chain's two large tensors in pieces (chain format 2).
 """
 
 from __future__ import annotations
@@ -58,13 +60,13 @@ def damage(path: str, rng: random.Random) -> str:
     return action
 
 
-def campaign(trials: int, seed: int = 0) -> Counter:
+def campaign(trials: int, seed: int = 0, pieces: bool = False) -> Counter:
     rng = random.Random(seed)
     root = tempfile.mkdtemp(prefix="tpde-corrupt-")
     stats: Counter = Counter()
     try:
         base = os.path.join(root, "base")
-        expected = build(base, None, STEPS)
+        expected = build(base, None, STEPS, pieces=pieces)
         with tpde.Checkpointer(base) as ck:
             ck.remove(2)  # a hidden step that later steps still need
         visible = [s for s in range(STEPS) if s != 2]
@@ -104,8 +106,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--trials", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pieces", action="store_true")
     args = p.parse_args()
-    stats = campaign(args.trials, args.seed)
+    stats = campaign(args.trials, args.seed, args.pieces)
     print(f"{stats['trials']} damaged chains ({stats['flip']} bit flips, {stats['truncate']} "
           f"truncations, {stats['delete']} deletions): {stats['detected']} detected as TPDEError, "
           f"{stats['harmless']} left every step restoring bit-exactly, 0 silent wrong results")
