@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from campaigns.memory import measure
+from campaigns.memory import measure, measure_lightning
 
 pytestmark = pytest.mark.slow
 
@@ -25,3 +25,12 @@ def test_store_reference_bounds_the_memory_a_save_needs(tensors: int) -> None:
     # The restored state itself plus the batches being decoded (3.6x the state before a
     # restore decoded step by step in batches and stopped copying what it had rebuilt).
     assert r["restore_extra_mb"] < 3 * r["state_mb"], r
+
+
+def test_lightning_plugin_saves_synchronously_within_the_in_flight_bound() -> None:
+    pytest.importorskip("lightning")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    r = measure_lightning("tpde-sync-store", 300, 16, env)
+    # TorchCheckpointIO itself takes a full copy (600 MB extra for a 600 MB state).
+    assert r["keyframe_extra_mb"] < 8 * 16, r
+    assert r["delta_extra_mb"] < 8 * 16, r
