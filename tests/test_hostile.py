@@ -95,3 +95,13 @@ def test_lies_about_pieces_are_refused(path: tuple, value: object) -> None:
 def test_oversized_manifest_is_refused_before_parsing() -> None:
     with pytest.raises(FormatError, match="cap"):
         manifest.parse(b" " * (manifest.MAX_MANIFEST_BYTES + 1))
+
+
+def test_fuzz_campaign_lets_only_tpde_errors_escape() -> None:
+    """The quick version of `tests/campaigns/fuzz.py`: every parser and decoder, mutated."""
+    from campaigns.fuzz import campaign
+
+    r = campaign(1500, seed=0)
+    assert r["failures"] == []
+    for kind in ("manifest", "lie", "elias", "zstd", "entry"):
+        assert r["counts"].get(f"{kind} refused", 0) > 100, r["counts"]

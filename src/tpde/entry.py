@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
 import os
 import time
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -77,7 +79,10 @@ def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
             if MEMBER not in z.namelist():
                 return None
             doc = json.loads(z.read(MEMBER))
-    except (zipfile.BadZipFile, ValueError, OSError) as exc:
+    # What zipfile raises for damaged archives: a mutated header may also name a compression
+    # method or version it lacks, or an encryption flag.
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError,
+            RuntimeError, zlib.error, lzma.LZMAError) as exc:
         raise FormatError(f"checkpoint entry {where} is damaged ({exc}); restore it from the "
                           "chain with `tpde ls` / `tpde restore`") from None
     try:
@@ -86,7 +91,7 @@ def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
         entry = CheckpointEntry(**doc)
         if type(entry.step) is not int or not isinstance(entry.blob, str):
             raise ValueError("step or blob has the wrong type")
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"checkpoint entry {where} is malformed ({exc})") from None
     return entry
 

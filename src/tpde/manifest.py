@@ -12,6 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from . import codec, dtypes, frames
 from .errors import FormatError
 
@@ -216,6 +218,11 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
                   for k, s in r["sections"].items()},
     )
     words = rec.numel * dt.words_per_element
+    try:
+        torch.device(rec.device)
+    except (RuntimeError, ValueError):
+        raise FormatError(f"record names device {rec.device!r}, which is no device",
+                          tensor=rec.name) from None
     if rec.codec not in codec.CODECS or rec.residual not in (None, *codec.RESIDUALS):
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
     if (rec.ref is None) != (rec.codec == "key") or (rec.ref is not None and rec.ref >= b["step"]):

@@ -246,12 +246,14 @@ def _unpickle(data: str, trusted: bool, where: str) -> Any:
     raw = io.BytesIO(base64.b64decode(data))
     try:
         return torch.load(raw, weights_only=not trusted, map_location="cpu")
-    except Exception as exc:  # torch raises UnpicklingError or RuntimeError here
-        if trusted:
-            raise FormatError(f"{where}: a stored Python object cannot be read: {exc}") from None
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... here
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        if trusted or "weights only" not in first.lower():
+            raise FormatError(f"{where}: a stored Python object cannot be read (damaged?): "
+                              f"{first}") from None
         raise UnsafeContentError(
             f"{where}: restoring needs to unpickle an object outside torch's weights-only "
-            f"allowlist ({str(exc).splitlines()[0][:200]}). If you trust this chain, pass "
+            f"allowlist ({first}). If you trust this chain, pass "
             "trusted=True (CLI: --trusted), or allowlist the type with "
             "torch.serialization.add_safe_globals."
         ) from None
