@@ -18,11 +18,10 @@ import subprocess
 import sys
 import tempfile
 
-CHILD = r"""
-import json, os, sys, threading, time
-import torch, tpde
+#: Peak resident memory above the start while ``fn`` runs, sampled every 5 ms (both children).
+SAMPLER = r"""
+import os, threading, time
 
-run, mode, mb, inflight, count = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 page = os.sysconf("SC_PAGE_SIZE")
 
 def rss():
@@ -45,6 +44,13 @@ def peak_extra(fn):
     extra = max(top[0], rss()) - base  # with what fn returned still held
     del result
     return extra
+"""
+
+CHILD = SAMPLER + r"""
+import json, sys
+import torch, tpde
+
+run, mode, mb, inflight, count = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 
 if mode == "restore":
     ck = tpde.Checkpointer(run, reference="store")  # a reader: it keeps no copy
@@ -63,34 +69,14 @@ print(json.dumps({"mode": mode, "state_mb": mb, "tensors": count,
 """
 
 
-LIGHTNING_CHILD = r"""
-import json, os, sys, tempfile, threading, time
+LIGHTNING_CHILD = SAMPLER + r"""
+import json, sys, tempfile
 import lightning as L
 import torch
 import tpde
 from lightning.pytorch.plugins import TorchCheckpointIO
 
 which, mb, inflight = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-page = os.sysconf("SC_PAGE_SIZE")
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
-
-def peak_extra(fn):
-    base, top, stop = rss(), [0], threading.Event()
-    def sample():
-        while not stop.is_set():
-            top[0] = max(top[0], rss())
-            time.sleep(0.005)
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    try:
-        fn()
-    finally:
-        stop.set()
-        t.join()
-    return (max(top[0], rss()) - base) / 2**20
 
 class Big(L.LightningModule):
     def __init__(self, n):
@@ -117,7 +103,7 @@ for i in range(2):
         trainer.save_checkpoint(os.path.join(root, f"s{i}.ckpt"))
         if hasattr(plugin, "wait"):
             plugin.wait()
-    out["keyframe_extra_mb" if i == 0 else "delta_extra_mb"] = peak_extra(save)
+    out["keyframe_extra_mb" if i == 0 else "delta_extra_mb"] = peak_extra(save) / 2**20
     model.training_step(torch.ones(1, 1), 0).backward()  # one more step between the saves
     opt.step()
     opt.zero_grad()
