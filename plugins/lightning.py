@@ -24,7 +24,7 @@ import torch
 
 from tpde import entry as entries
 from tpde import frames
-from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, snapshot
+from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, check_reference, snapshot
 from tpde.errors import UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.store import Store
@@ -113,8 +113,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         super().__init__()
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
-        if reference not in ("host", "store"):
-            raise ValueError('reference must be "host" or "store"')
+        check_reference(reference)  # here, not first in the background worker
         self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
                             lease_seconds=lease_seconds, takeover=takeover, reference=reference,
                             max_inflight_bytes=max_inflight_bytes)

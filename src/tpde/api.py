@@ -42,6 +42,11 @@ def _return_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def check_reference(reference: str) -> None:
+    if reference not in ("host", "store"):
+        raise ValueError('reference must be "host" or "store"')
+
+
 @dataclass(frozen=True)
 class StepInfo:
     """What one save wrote."""
@@ -130,8 +135,7 @@ class Checkpointer:
                  max_inflight_bytes: int = 256 << 20) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be >= 1")
-        if reference not in ("host", "store"):
-            raise ValueError('reference must be "host" or "store"')
+        check_reference(reference)
         self.keep_reference = reference == "host"
         self.max_inflight_bytes = max_inflight_bytes
         self.run = run
@@ -179,8 +183,8 @@ class Checkpointer:
         state, words = self.chain.load(step, map_location=map_location, trusted=trusted,
                                        keep_words=self.keep_reference)
         m = self.chain.manifest(step)
-        self._reference = Reference(step, m.depth, words if self.keep_reference else {},
-                                    {r.name: r for r in m.records})
+        # Without keep_words the chain hands back no words: nothing is kept.
+        self._reference = Reference(step, m.depth, words, {r.name: r for r in m.records})
         return state
 
     def steps(self) -> list[int]:

@@ -161,7 +161,7 @@ def _pieces(flat: tree.Flat, piece_bytes: int) -> Iterator[_Piece]:
 def _batches(items: list[tuple[Record, bool]], limit: int) -> list[list[tuple[Record, bool]]]:
     """``items`` in order, in runs of at most ``limit`` raw bytes (at least one record each)."""
     out: list[list[tuple[Record, bool]]] = []
-    size = limit
+    size = 0
     for item in items:
         if out and size + item[0].raw_bytes <= limit:
             out[-1].append(item)
@@ -191,7 +191,6 @@ def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
         part = take(name)
         whole[at : at + part.numel()].copy_(part)
         at += part.numel()
-        del part
     return whole
 
 

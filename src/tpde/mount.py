@@ -254,9 +254,11 @@ class Mount:
         words = self.chain.materialize(self.step, {n for *_, s in slots for n in s.records},
                                        check=check, on=self.on)
         self._checked.add(name)
-        out = {}
+        out, spans = {}, {}
         for *_, s in slots:
-            base = span_words(s.records, words).view(torch.uint8).view(s.dtype)
+            if s.records not in spans:  # tied tensors view one span: put it together once
+                spans[s.records] = span_words(s.records, words)
+            base = spans[s.records].view(torch.uint8).view(s.dtype)
             t = base.as_strided(s.shape, s.stride, s.offset)
             out[s.key] = t.to(self.device) if self.device.type != "cpu" else t
         with self._lock:
