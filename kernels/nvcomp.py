@@ -76,7 +76,7 @@ def _config(codec: Any, sizes: tuple[int, ...]) -> Any:
     return codec.decompression_config(codec.compression_config(list(sizes)))
 
 
-def compress(planes: torch.Tensor, *, level: int, chunk: int) -> Section:
+def compress(planes: torch.Tensor, *, level: int | None, chunk: int) -> Section:
     """Compress CUDA bytes chunk by chunk; only the compressed frames reach host memory.
 
     nvCOMP's zstd has no level setting; ``level`` is accepted so callers need not care.

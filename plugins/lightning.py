@@ -25,6 +25,7 @@ import torch
 from tpde import entry as entries
 from tpde import frames
 from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, check_reference, snapshot
+from tpde.chain import GcReport
 from tpde.errors import UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.store import Store
@@ -104,7 +105,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     """
 
     def __init__(self, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 level: int = frames.DEFAULT_LEVEL, threads: int | None = None,
+                 level: int | None = frames.DEFAULT_LEVEL, threads: int | None = None,
                  device: str = "cpu", storage_options: dict[str, Any] | None = None,
                  async_save: bool = True, max_pending: int = 1,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, takeover: bool = False,
@@ -227,7 +228,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         step = self._next[url]
         info = ckpt.save(step, snap)
         self._next[url] = step + 1
-        blob = ckpt.chain.manifest(step).blob
+        blob = ckpt.chain.manifest(step).id
         data = entries.to_bytes(entries.CheckpointEntry(
             run=self.chain_dir, run_url=url, step=step, blob=blob, raw_bytes=info.raw_bytes,
             stored_bytes=info.stored_bytes, meta=meta))
@@ -245,6 +246,18 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  info.stored_bytes / 1e6, report.ratio, stall_ms, report.write_seconds)
         if replaced is not None:  # save_last: the step the old entry named may now be free
             self._collect(ckpt, folder, name)
+        else:
+            self._log_at_rest(ckpt)
+
+    def _log_at_rest(self, ckpt: Checkpointer) -> None:
+        """The folder's bytes at rest beside the tensor bytes that ``TorchCheckpointIO`` would
+        hold for the same checkpoints (a lower bound of its files: pickling adds a little)."""
+        chain = ckpt.chain
+        held = chain.at_rest().total
+        plain = sum(chain.manifest(s).raw_bytes for s in chain.steps())
+        log.info("tpde: %s holds %.1f MB at rest for %d checkpoints; TorchCheckpointIO would "
+                 "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, len(chain.steps()),
+                 plain / 1e6, plain / max(1, held))
 
     def _remove(self, path: str) -> None:
         fs, p = entries.filesystem(path, self.storage_options)
@@ -270,14 +283,14 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
         """Hide the steps no entry names any more and free what nothing needs."""
         hidden = entries.orphans(ckpt.chain, folder, self.storage_options, self._seen)
-        for step in hidden:
-            ckpt.remove(step)
-        report = ckpt.gc()
-        self.freed_bytes += report.freed_bytes
-        log.info("tpde: %s replaced or removed; hid steps %s, freed %.1f MB (%s)", name,
-                 hidden or "none", report.freed_bytes / 1e6,
-                 f"purged {report.purged_steps}" if report.purged_steps
-                 else "still needed by later deltas")
+        # Re-bases the steps that read from the hidden ones and frees them; then leftovers.
+        report = ckpt.remove(*hidden) if hidden else GcReport()
+        swept = ckpt.gc()
+        self.freed_bytes += report.freed_bytes + swept.freed_bytes
+        log.info("tpde: %s replaced or removed; hid steps %s, re-based %s in %.2f s, "
+                 "purged %s", name, hidden or "none", report.rebased_steps or "none",
+                 report.rebase_seconds, report.purged_steps + swept.purged_steps or "none")
+        self._log_at_rest(ckpt)
 
     def _run(self, job: Callable[[], None], what: str) -> None:
         if not self.async_save:

@@ -20,6 +20,18 @@ for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "tes
     os.environ.setdefault(var, value)
 
 
+@pytest.fixture(autouse=True)
+def _torch_determinism_restored() -> Iterator[None]:
+    """``Trainer(deterministic=True)`` switches torch's deterministic algorithms on for the whole
+    process; a later test must not run under it (some kernels refuse sub-byte dtypes then)."""
+    import torch
+
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with one bucket; yields fsspec storage options."""

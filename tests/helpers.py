@@ -54,3 +54,15 @@ def mixed_codec_chain(run: str, max_inflight_bytes: int = 256 << 20
                             "i": torch.tensor(step)}
             ckpt.save(step, states[step])
     return states
+
+
+def decode_depths(chain, step: int) -> dict[str, int]:
+    """Deltas decoded per tensor to rebuild ``step``, walked from the manifests here."""
+    out = {}
+    for rec in chain.manifest(step).records:
+        n, r = 0, rec
+        while r.codec != "key":
+            n += r.codec != "same"
+            r = chain.manifest(r.ref).record(r.name)
+        out[rec.name] = n
+    return out

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpde
-from helpers import assert_same
+from helpers import assert_same, decode_depths
 from tpde import store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
@@ -103,7 +103,9 @@ def test_chain_restores_every_step_and_keyframes_bound_depth(store_url) -> None:
     for step, state in train_states(7):
         saved[step] = copy.deepcopy(state)
         info = ck.save(step, state)
-        assert info.keyframe == (step % 3 == 0)
+        assert info.keyframe == (step == 0)
+        depths = decode_depths(ck.chain, step)
+        assert max(depths.values()) <= 2, depths  # per tensor: fewer than keyframe_every
     reader = tpde.Checkpointer(url, storage_options=opts)
     assert reader.steps() == list(range(7))
     for step, state in saved.items():
@@ -182,19 +184,20 @@ def sparse_states(steps: int):
         yield step, {"w": w, "step": step}
 
 
-def test_remove_hides_and_gc_frees_only_unneeded_data(tmp_path) -> None:
+def test_remove_rebases_what_reads_the_step_and_frees_it(tmp_path) -> None:
     url = str(tmp_path / "r")
     ck = tpde.Checkpointer(url, keyframe_every=2)
     states = {}
     for step, state in sparse_states(4):
         states[step] = copy.deepcopy(state)
         assert ck.save(step, state).keyframe == (step % 2 == 0)
-    ck.remove(0)  # step 1 is a delta against 0: its data must stay
-    assert ck.gc(grace_seconds=0).purged_steps == []
+    report = ck.remove(0)  # step 1 is a delta against 0: it is re-based first
+    assert report.purged_steps == [0] and report.rebased_steps == [1] and report.freed_bytes > 0
+    assert ck.chain.manifest(1).keyframe  # nothing older is kept to code it against
     assert_same(states[1], tpde.Checkpointer(url).load(1))
-    ck.remove(1)
-    report = ck.gc(grace_seconds=0)
-    assert report.purged_steps == [0, 1] and report.freed_bytes > 0
+    report = ck.remove(1)
+    assert report.purged_steps == [1] and report.rebased_steps == []  # step 2 is a keyframe
+    assert ck.gc(grace_seconds=0).purged_steps == []
     assert ck.steps() == [2, 3]
     assert_same(states[3], tpde.Checkpointer(url).load(3))
     assert len(os.listdir(tmp_path / "r" / "data")) == 2

@@ -10,14 +10,9 @@ from typing import Any, Iterable
 import torch
 
 from . import codec, dtypes, frames, tree
-from .chain import Chain, GcReport, Problem, Reference
+from .chain import DEFAULT_KEYFRAME_EVERY, Chain, GcReport, Problem, Reference
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest
-
-#: Chosen on real training chains (benchmarks/README.md): for bf16 weights 8 -> 16 -> 32 gives
-#: 4.15x -> 4.69x -> 5.38x while restoring the deepest step gets several times slower; dense
-#: fp32 state gains nothing past 4. 16 keeps most of the ratio and at most 15 deltas per restore.
-DEFAULT_KEYFRAME_EVERY = 16
 
 
 def _malloc_trim() -> Any:
@@ -49,7 +44,7 @@ def check_reference(reference: str) -> None:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """What one save wrote."""
+    """What one save wrote, and (right after a save) what the whole run holds at rest."""
 
     step: int
     keyframe: bool
@@ -57,15 +52,18 @@ class StepInfo:
     stored_bytes: int
     seconds: float
     codecs: dict[str, int] = field(default_factory=dict)
+    #: Bytes the run's store holds, every step, manifest and leftover included (None: not
+    #: measured).
+    run_bytes: int | None = None
 
     @property
     def ratio(self) -> float:
         return self.raw_bytes / max(1, self.stored_bytes)
 
     @classmethod
-    def of(cls, m: Manifest) -> "StepInfo":
+    def of(cls, m: Manifest, run_bytes: int | None = None) -> "StepInfo":
         return cls(m.step, m.keyframe, m.raw_bytes, m.stored_bytes, m.seconds,
-                   dict(Counter(r.codec for r in m.records)))
+                   dict(Counter(r.codec for r in m.records)), run_bytes)
 
 
 @dataclass
@@ -125,10 +123,15 @@ class Checkpointer:
     ``lease_seconds`` above the time between your saves); a second writer is refused with
     ``WriterConflictError`` until ``close()``, expiry, or the holder's process dying on this host.
     ``takeover=True`` takes the run from a writer known to be dead.  Loading never waits.
+
+    Keyframes are decided per tensor: a tensor is re-keyed before it would be
+    ``keyframe_every`` deltas deep, the re-keys spread over steps, and a tensor that never
+    changes is stored once. ``remove`` re-bases the steps that read from the removed one and
+    frees its bytes, so a run holds at most what its visible steps would cost as keyframes.
     """
 
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 storage_options: dict[str, Any] | None = None, level: int = frames.DEFAULT_LEVEL,
+                 storage_options: dict[str, Any] | None = None, level: int | None = frames.DEFAULT_LEVEL,
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
                  key_margin: float = 0.9, lease_seconds: float = DEFAULT_LEASE_SECONDS,
                  takeover: bool = False, reference: str = "host",
@@ -163,9 +166,17 @@ class Checkpointer:
                 keyframe_every=self.keyframe_every, keep_reference=self.keep_reference,
                 max_inflight_bytes=self.max_inflight_bytes, owned=owned)
         finally:
-            del flat, reference
+            del flat
             _return_freed_memory()
-        return StepInfo.of(manifest)
+        if reference is not None:
+            self._collect_hidden(reference.step)
+        return StepInfo.of(manifest, self.chain.at_rest().total)
+
+    def _collect_hidden(self, former: int) -> None:
+        """A step removed while it was this writer's reference goes once it no longer is."""
+        if former in self.chain.hidden():
+            self.chain.collect(keep=self._keep(), settings=self.settings,
+                               keyframe_every=self.keyframe_every)
 
     def next_step(self) -> int:
         """One past the highest step ever committed here, taken under this writer's lease."""
@@ -182,9 +193,8 @@ class Checkpointer:
             step = self.chain.latest()
         state, words = self.chain.load(step, map_location=map_location, trusted=trusted,
                                        keep_words=self.keep_reference)
-        m = self.chain.manifest(step)
         # Without keep_words the chain hands back no words: nothing is kept.
-        self._reference = Reference(step, m.depth, words, {r.name: r for r in m.records})
+        self._reference = Reference(step, words)
         return state
 
     def steps(self) -> list[int]:
@@ -197,19 +207,31 @@ class Checkpointer:
     def info(self, step: int) -> StepInfo:
         return StepInfo.of(self.chain.manifest(step))
 
-    def remove(self, step: int) -> None:
-        """Hide ``step``; every other step stays restorable (its bytes go once nothing needs them)."""
+    def remove(self, *steps: int) -> GcReport:
+        """Hide ``steps`` and free their bytes: the steps that read from them are re-based
+        first (rewritten to read from kept steps only), so every other step stays restorable."""
         self._writing()
-        self.chain.remove(step)
+        for step in steps:
+            self.chain.remove(step)
+        return self.chain.collect(keep=self._keep(), settings=self.settings,
+                                  keyframe_every=self.keyframe_every)
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
-        """Free what no visible step needs, keeping this writer's reference."""
+        """Re-base and free what no visible step needs, keeping this writer's reference, and
+        delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
-        keep: Iterable[int] = [self._reference.step] if self._reference else []
-        return self.chain.gc(grace_seconds=grace_seconds, keep=keep)
+        return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
+                             settings=self.settings, keyframe_every=self.keyframe_every)
+
+    def _keep(self) -> Iterable[int]:
+        """The step the next delta is coded against, kept even when hidden."""
+        return [self._reference.step] if self._reference else []
 
     def close(self) -> None:
         """Release the writer lease so another job may write the run; reading needs none."""
+        if self._reference is not None and self.lease.held:
+            former, self._reference = self._reference.step, None
+            self._collect_hidden(former)
         self.lease.release()
 
     def __enter__(self) -> "Checkpointer":

@@ -20,7 +20,7 @@ from rich.table import Table
 from . import __version__, dtypes, tree
 from . import entry as entries
 from .api import Checkpointer, Snapshot
-from .chain import Chain, span_words
+from .chain import AtRest, Chain, span_words
 from .errors import TPDEError
 from .lease import Lease
 from .manifest import Manifest
@@ -72,9 +72,10 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
     rows = [_step_row(chain.manifest(s)) for s in chain.steps()]
     raw = sum(r["raw_bytes"] for r in rows)
     stored = sum(r["stored_bytes"] for r in rows)
+    rest = chain.at_rest()
     if args.json:
         print(json.dumps({"run": chain.url, "steps": rows, "raw_bytes": raw, "stored_bytes": stored,
-                          "ratio": round(raw / max(1, stored), 3)}))
+                          "ratio": round(raw / max(1, stored), 3), "at_rest": rest.as_dict()}))
         return 0
     table = Table(title=f"{chain.url}: {len(rows)} steps")
     for col in ("step", "kind", "raw", "stored", "ratio", "codecs"):
@@ -85,7 +86,20 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
     _out().print(table)
     print(f"total: {_mb(raw)} raw, {_mb(stored)} stored, {raw / max(1, stored):.2f}x")
+    print(_at_rest_line(rest))
     return 0
+
+
+def _at_rest_line(rest: AtRest) -> str:
+    """What the run holds in its store, and why beyond its visible steps."""
+    parts = [f"at rest: {_mb(rest.total)} ({_mb(rest.visible)} in visible steps"]
+    for h in rest.as_dict()["hidden_steps"]:  # type: ignore[union-attr]
+        why = (f"read by steps {h['needed_by']}" if h["needed_by"]
+               else "kept as the writer's reference, or until `tpde gc`")
+        parts.append(f"hidden step {h['step']}: {_mb(h['bytes'])}, {why}")
+    if rest.leftovers:
+        parts.append(f"{_mb(rest.leftovers)} left by unfinished saves (`tpde gc` deletes them)")
+    return "; ".join(parts) + ")"
 
 
 def _mb(n: int) -> str:

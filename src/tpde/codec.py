@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import zstandard
 
 from . import elias, frames
 from .errors import FormatError
@@ -40,7 +39,7 @@ SAMPLE_WINDOWS, SAMPLE_WORDS = 16, 8192
 class Settings:
     """Encoder knobs; every field has a measured default."""
 
-    level: int = frames.DEFAULT_LEVEL
+    level: int | None = frames.DEFAULT_LEVEL
     chunk: int = frames.DEFAULT_CHUNK
     threads: int | None = None
     #: A delta is used only when it is smaller than this fraction of the keyframe encoding.
@@ -161,8 +160,8 @@ def _sample_index(length: int, device: torch.device) -> torch.Tensor | None:
     return (starts[:, None] + torch.arange(SAMPLE_WORDS)[None, :]).reshape(-1).to(device)
 
 
-def _packed_size(words: torch.Tensor, level: int) -> int:
-    return len(zstandard.ZstdCompressor(level=level).compress(_bytes_of(shuffle(words))))
+def _packed_size(words: torch.Tensor, s: Settings) -> int:
+    return len(frames.compressor(s.level, s.chunk).compress(_bytes_of(shuffle(words))))
 
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
@@ -209,7 +208,7 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
         else:
             length = count if option[0] == "sparse" else n
             sample = build(option, _sample_index(length, new.device))
-            sizes[option] = _packed_size(sample, s.level) * length / max(1, sample.numel())
+            sizes[option] = _packed_size(sample, s) * length / max(1, sample.numel())
         if option[0] == "sparse":
             bits = elias.encoded_bits(positions.cpu().numpy())
             sizes[option] += bits / 8 + 16 * (count // s.block + 1)

@@ -45,7 +45,7 @@ class CheckpointEntry:
     run: str  # the chain, relative to the entry's folder
     run_url: str  # the chain where it was written, for copies of the entry moved elsewhere
     step: int
-    blob: str  # the step's blob name: a step number reused after gc never matches it
+    blob: str  # the step's first blob name (``Manifest.id``): a reused step number never matches
     raw_bytes: int = 0
     stored_bytes: int = 0
     created: float = field(default_factory=time.time)
@@ -132,7 +132,7 @@ def chain_for(path: str, entry: CheckpointEntry,
 def check(chain: Chain, step: int, blob: str | None, where: str) -> None:
     """Refuse an entry whose step was deleted, even if the number was reused since."""
     try:
-        actual = chain.manifest(step).blob
+        actual = chain.manifest(step).id
     except StepNotFoundError:
         actual = None
     if blob is not None and actual != blob:
@@ -231,7 +231,7 @@ def orphans(chain: Chain, folder_url: str, storage_options: dict[str, Any] | Non
             seen: Seen | None = None) -> list[int]:
     """Visible steps of ``chain`` that no entry in ``folder_url`` names: the ones to hide."""
     live = roots(folder_url, chain, storage_options, seen)
-    return [s for s in chain.steps() if live.get(s) != chain.manifest(s).blob]
+    return [s for s in chain.steps() if live.get(s) != chain.manifest(s).id]
 
 
 def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:

@@ -17,9 +17,11 @@ import torch
 from . import codec, dtypes, frames
 from .errors import FormatError
 
-#: The newest format this tpde reads. Steps are written as format 1 unless they hold pieces.
-FORMAT = 2
+#: The newest format this tpde reads. Steps are written as format 1 unless they hold pieces (2)
+#: or were re-based into a new blob (3); older readers so keep reading every other step.
+FORMAT = 3
 PIECES_FORMAT = 2
+REBASED_FORMAT = 3
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
 DIGEST_SIZE = 16
@@ -93,6 +95,14 @@ class Manifest:
     skeleton: Any
     records: list[Record]
     format: int = FORMAT
+    #: The blob the step was first written with: what checkpoint entries name the step by.
+    #: Set when a re-base moved the step into a new blob; None means ``blob``.
+    origin: str | None = None
+
+    @property
+    def id(self) -> str | None:
+        """What names this step for good, across re-bases (a reused step number differs)."""
+        return self.origin or self.blob
 
     @property
     def raw_bytes(self) -> int:
@@ -128,6 +138,8 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
+        if body["origin"] is None:
+            del body["origin"]
         for r in body["records"]:
             if r["start"] is None:
                 del r["start"]
@@ -177,7 +189,10 @@ def _build(b: dict[str, Any], step: int | None) -> Manifest:
         blob=None if b["blob"] is None else str(b["blob"]), blob_size=_int(b["blob_size"]),
         created=float(b["created"]), seconds=float(b["seconds"]), skeleton=b["skeleton"],
         records=[_record(r, b) for r in b["records"]], format=b["format"],
+        origin=None if b.get("origin") is None else str(b["origin"]),
     )
+    if m.origin is not None and m.format < REBASED_FORMAT:
+        raise FormatError(f"format {m.format} manifest names an origin blob", step=step)
     if step is not None and m.step != step:
         raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)
     if len({r.name for r in m.records}) != len(m.records):

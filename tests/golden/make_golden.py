@@ -2,7 +2,10 @@
 regenerate one to make a test pass: a decoder that cannot read it has broken the format.
 
 * ``chain-v1``: format 1, every span stored whole;
-* ``chain-v2``: format 2, the same states with every span above 8 KiB stored in pieces.
+* ``chain-v2``: format 2, the same states with every span above 8 KiB stored in pieces;
+* ``chain-v3``: format 3, the same states as steps 1, 3, 5, 7, 9, each saved after a detour step
+  (0, 2, 4, 6, 8) that is then removed, so every kept step is re-based (copied, re-coded and
+  re-pointed records).
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tpde  # noqa: E402
-from states import golden_states  # noqa: E402
+from states import detour, golden_states  # noqa: E402
 
 HERE = os.path.dirname(__file__)
-CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}}
+CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}, "chain-v3": {}}
 
 if __name__ == "__main__":
     for name, options in CHAINS.items():
@@ -24,5 +27,11 @@ if __name__ == "__main__":
         if os.path.exists(out):
             continue
         with tpde.Checkpointer(out, keyframe_every=3, chunk_bytes=4096, **options) as ck:
+            if name == "chain-v3":
+                for i, state in enumerate(golden_states()):
+                    ck.save(2 * i, detour(state))
+                    ck.save(2 * i + 1, state)
+                print(name, ck.remove(*range(0, 10, 2)))
+                continue
             for step, state in enumerate(golden_states()):
                 print(name, ck.save(step, state))

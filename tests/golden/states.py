@@ -28,3 +28,15 @@ def golden_states() -> list[dict]:
             "meta": {"step": step, "lr": 0.5**step, "names": ("a", "b"), 3: None, "s": {1, 2}},
         })
     return states
+
+
+def detour(state: dict) -> dict:
+    """A state one step away from ``state``: the steps of chain-v3 that are removed, so that the
+    kept ones are re-based. Exact arithmetic on the bf16 and fp32 tensors; the rest as it is."""
+    sd = OrderedDict(state["model"])
+    sd._metadata = state["model"]._metadata
+    w = sd["w"].clone()
+    w.view(-1)[::97] += 2
+    sd["w"] = sd["tied"] = w
+    sd["f"] = sd["f"] - 2.0**-9
+    return {**state, "model": sd}

@@ -1,0 +1,29 @@
+"""The chain: which steps exist, what a new step stores against which reference, how a step is
+rebuilt, and what a run may delete.
+
+Layout of a run folder::
+
+    tpde.json                      marks the folder as a tpde run
+    data/<step>-<uuid>.tpd         one blob per step: the compressed sections of its records
+    steps/<step>.json              the manifest; its appearance commits the step
+    removed/<step>                 a tombstone: the step is hidden, its data kept while needed
+
+A step is written blob first, manifest last, so a crash leaves at most an unreferenced blob
+(deleted by ``gc``) and never a visible half step. The jobs live in their own modules:
+``plan`` decides (pure functions of manifests), ``read``, ``write`` and ``retain`` carry the
+decisions out.
+"""
+
+from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reference
+from .plan import DEFAULT_KEYFRAME_EVERY, AtRest
+from .read import DECODE_BATCH_BYTES, span_words
+from .retain import Retainer
+from .write import PIECE_BYTES
+
+
+class Chain(Retainer):
+    """One run in one store: writing, reading, re-basing and collecting its steps."""
+
+
+__all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY", "GcReport",
+           "MARKER", "PIECE_BYTES", "Problem", "REMOVED", "Reference", "STEPS", "span_words"]

@@ -1,0 +1,222 @@
+"""What every part of the chain shares: the run's layout, its listings and its manifests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from ..errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
+from ..manifest import Manifest, Record, parse
+from ..store import Store
+
+MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
+Progress = Callable[[int], None]
+
+
+def name(step: int) -> str:
+    return f"{step:020d}"
+
+
+def manifest_path(step: int) -> str:
+    return f"{STEPS}/{name(step)}.json"
+
+
+@dataclass
+class Reference:
+    """What the next delta is coded against: the step last saved or loaded, and (when the writer
+    keeps it in memory) the host words of its records."""
+
+    step: int
+    words: dict[str, torch.Tensor]
+
+
+@dataclass
+class GcReport:
+    freed_bytes: int = 0
+    deleted: list[str] = field(default_factory=list)
+    purged_steps: list[int] = field(default_factory=list)
+    #: Kept steps rewritten so that they stop reading from steps that went.
+    rebased_steps: list[int] = field(default_factory=list)
+    rewritten_records: int = 0
+    rebase_seconds: float = 0.0
+
+
+@dataclass
+class Problem:
+    """Damage found by ``verify``: where it is, and which visible step it breaks."""
+
+    step: int
+    tensor: str | None
+    message: str
+    needed_by: int | None = None
+
+
+class ChainBase:
+    """One run in one store: its listings and its (cached) manifests."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.store = Store(url, storage_options)
+        self._manifests: dict[int, Manifest] = {}
+        self._known_run = False
+
+    def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
+        out = {}
+        for e in self.store.list(prefix):
+            stem = e.path.rsplit("/", 1)[-1]
+            if suffix:
+                if not stem.endswith(suffix):
+                    continue
+                stem = stem[: -len(suffix)]
+            if stem.isdigit():
+                out[int(stem)] = e.size
+        return out
+
+    def committed(self) -> list[int]:
+        """Every step with a manifest, hidden ones included."""
+        return sorted(self._listed(STEPS, ".json"))
+
+    def hidden(self) -> set[int]:
+        return set(self._listed(REMOVED))
+
+    def steps(self) -> list[int]:
+        """Visible steps, oldest first."""
+        hidden = self.hidden()
+        return [s for s in self.committed() if s not in hidden]
+
+    def latest(self) -> int:
+        """The newest visible step; a run without one is a ``StepNotFoundError``."""
+        self.require_run()
+        steps = self.steps()
+        if not steps:
+            raise StepNotFoundError("the run has no steps yet; `tpde ls` lists what is there",
+                                    run=self.url)
+        return steps[-1]
+
+    def is_run(self) -> bool:
+        # A run never stops being one: once seen, the marker is not asked for again.
+        if not self._known_run:
+            self._known_run = self.store.exists(MARKER)
+        return self._known_run
+
+    def require_run(self) -> None:
+        if not self.is_run():
+            raise NotARunError(f"no tpde chain here (no {MARKER}); check the path", run=self.url)
+
+    def manifest(self, step: int) -> Manifest:
+        if step in self._manifests:
+            return self._manifests[step]
+        try:
+            data = self.store.read(manifest_path(step))
+        except FileNotFoundError:
+            self.require_run()
+            raise StepNotFoundError("no such committed step; `tpde ls` lists the steps",
+                                    run=self.url, step=step) from None
+        try:
+            m = parse(data, step=step)
+        except TPDEError as exc:
+            raise exc.located(run=self.url, step=step) from None
+        self._manifests[step] = m
+        return m
+
+    def manifests(self, steps: list[int] | None = None) -> dict[int, Manifest]:
+        """The manifests of ``steps`` (default: every committed step), by step."""
+        return {s: self.manifest(s) for s in (self.committed() if steps is None else steps)}
+
+    def lazy(self) -> "Manifests":
+        """The run's manifests as a mapping read on demand (what ``plan`` functions take)."""
+        return Manifests(self)
+
+    def needed(self, keep: Iterable[int] = ()) -> set[int]:
+        """Visible steps, ``keep``, and every step their records build on."""
+        committed = set(self.committed())
+        todo = [s for s in {*self.steps(), *keep} if s in committed]
+        seen = set(todo)
+        while todo:
+            for ref in self.manifest(todo.pop()).refs():
+                if ref not in seen:
+                    seen.add(ref)
+                    todo.append(ref)
+        return seen
+
+    def _sizes(self) -> dict[str, int]:
+        return {e.path: e.size for prefix in (DATA, STEPS) for e in self.store.list(prefix)}
+
+    def _purge(self, step: int, report: GcReport, sizes: dict[str, int]) -> None:
+        """Delete a step nothing needs: manifest first (it stops being a step), then its blob
+        and tombstone."""
+        try:
+            blob = self.manifest(step).blob
+        except TPDEError:
+            blob = None  # a damaged manifest of an unneeded step: its blob goes as an orphan
+        for rel in (manifest_path(step), blob, f"{REMOVED}/{name(step)}"):
+            if rel:
+                report.freed_bytes += sizes.get(rel, 0)
+                self.store.delete(rel)
+                report.deleted.append(rel)
+        report.purged_steps.append(step)
+        self._manifests.pop(step, None)
+
+    def _stale(self) -> bool:
+        """Whether a manifest this object cached was rewritten or deleted since (a re-base or
+        a gc by the run's writer); the cache is dropped if so."""
+        for step, m in list(self._manifests.items()):
+            try:
+                now = parse(self.store.read(manifest_path(step)), step=step)
+            except (FileNotFoundError, TPDEError):
+                now = None
+            if now is None or (now.blob, now.records) != (m.blob, m.records):
+                self._manifests.clear()
+                return True
+        return False
+
+    def _record(self, step: int, name: str, wanted_by: int) -> Record:
+        try:
+            m = self.manifest(step)
+        except StepNotFoundError:
+            raise CorruptionError(f"step {step}, which this step builds on, is missing; "
+                                  "restore an earlier keyframe or re-save", run=self.url,
+                                  step=wanted_by, tensor=name) from None
+        rec = m.record(name)
+        if rec is None:
+            raise CorruptionError(f"reference step {step} has no record of this tensor",
+                                  run=self.url, step=wanted_by, tensor=name)
+        return rec
+
+    def _lineage(self, name: str, step: int) -> list[tuple[int, Record]]:
+        """The records to decode, keyframe first, to rebuild ``name`` at ``step``."""
+        out: list[tuple[int, Record]] = []
+        at, rec = step, self._record(step, name, step)
+        while True:
+            if rec.codec != "same":
+                out.append((at, rec))
+                if rec.codec == "key":
+                    return out[::-1]
+            at, rec = rec.ref, self._record(rec.ref, name, step)
+
+    def _data_hash(self, rec: Record, step: int) -> str:
+        while rec.codec == "same":
+            rec = self._record(rec.ref, rec.name, step)
+        return rec.hash
+
+
+class Manifests(Mapping[int, Manifest]):
+    """A chain's committed manifests, read when asked for (``get`` is None for a missing or
+    unreadable one)."""
+
+    def __init__(self, chain: ChainBase) -> None:
+        self.chain = chain
+
+    def __getitem__(self, step: int) -> Manifest:
+        try:
+            return self.chain.manifest(step)
+        except TPDEError:
+            raise KeyError(step) from None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.chain.committed())
+
+    def __len__(self) -> int:
+        return len(self.chain.committed())

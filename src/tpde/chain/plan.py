@@ -1,0 +1,239 @@
+"""Planning, apart from doing: which records a step stores, which of its tensors are re-keyed,
+which records a re-base rewrites and against what, in which batches a rebuild runs.
+
+Everything here is a pure function of manifests and sizes: no store, no tensors' values. The
+executors (``write``, ``read``, ``retain``) carry the plans out.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
+
+from .. import tree
+from ..manifest import Manifest, Record
+
+#: Chosen on real training chains (benchmarks/README.md): for bf16 weights 8 -> 16 -> 32 gives
+#: 4.15x -> 4.69x -> 5.38x while restoring the deepest step gets several times slower; dense
+#: fp32 state gains nothing past 4. 16 keeps most of the ratio and at most 15 deltas per restore.
+DEFAULT_KEYFRAME_EVERY = 16
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``lo:hi`` of a span, stored as one record: the whole span, or one of its
+    pieces, named ``<span>/<lo>`` (no tensor's path continues another tensor's path)."""
+
+    span: tree.Span
+    lo: int
+    hi: int
+    whole: bool
+
+    @property
+    def name(self) -> str:
+        return self.span.name if self.whole else f"{self.span.name}/{self.lo}"
+
+    @property
+    def start(self) -> int | None:
+        return None if self.whole else self.lo
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.span.tensor.element_size()
+
+
+def pieces(flat: tree.Flat, piece_bytes: int) -> Iterator[Piece]:
+    """What a step stores, in order: each span whole, or in pieces of at most ``piece_bytes``."""
+    for span in flat.spans:
+        n, per = span.tensor.numel(), max(1, piece_bytes // span.tensor.element_size())
+        for lo in range(0, n, per) if n > per else [0]:
+            yield Piece(span, lo, min(n, lo + per), n <= per)
+
+
+T = TypeVar("T")
+
+
+def batches(items: Sequence[T], size: Mapping[int, int] | Sequence[int], limit: int
+            ) -> list[list[T]]:
+    """``items`` in order, in runs of at most ``limit`` bytes (``size[i]`` is item i's; at least
+    one item a run)."""
+    out: list[list[T]] = []
+    total = 0
+    for i, item in enumerate(items):
+        if out and total + size[i] <= limit:
+            out[-1].append(item)
+            total += size[i]
+        else:
+            out.append([item])
+            total = size[i]
+    return out
+
+
+# ---------------------------------------------------------------- per-tensor keyframes
+@dataclass(frozen=True)
+class Candidate:
+    """A tensor about to be saved: how many deltas deep its reference is (None: it has no
+    reference record, so it is a keyframe record whatever the plan says), and whether that
+    lineage starts at a whole-keyframe step (every tensor keyed at once)."""
+
+    name: str
+    depth: int | None
+    synced: bool = False
+
+
+def phase(name: str, keyframe_every: int) -> int:
+    """A tensor's own offset in ``[0, keyframe_every // 2)``, the same in every process."""
+    return zlib.crc32(name.encode()) % max(1, keyframe_every // 2)
+
+
+def plan_keys(candidates: Sequence[Candidate], keyframe_every: int) -> set[str]:
+    """The tensors re-keyed at this step.
+
+    A tensor is re-keyed when one more delta would reach ``keyframe_every`` decodes, so
+    restoring any tensor never decodes more than ``keyframe_every - 1`` deltas. Unchanged
+    tensors add no depth (their records point at the data), so a frozen tensor is stored once
+    for the life of the run. Tensors keyed all at once (the first step of a run) are re-keyed
+    early once, each at its own ``phase``: from then on their keyframes, and the cost of
+    writing them, fall on different steps instead of all arriving every ``keyframe_every``.
+    """
+    return {c.name for c in candidates if c.depth is None
+            or c.depth + 1 >= keyframe_every - (phase(c.name, keyframe_every) if c.synced else 0)}
+
+
+# ---------------------------------------------------------------- lineages
+def holder(manifests: Mapping[int, Manifest], step: int, rec: Record) -> int:
+    """The step whose record holds ``rec``'s data (an unchanged record points there)."""
+    return rec.ref if rec.codec == "same" and rec.ref is not None else step
+
+
+def depth(manifests: Mapping[int, Manifest], step: int, name: str) -> int | None:
+    """Deltas decoded to rebuild ``name`` at ``step`` (None: no record, or a broken lineage)."""
+    found = keyed_at(manifests, step, name)
+    return None if found is None else found[0]
+
+
+def record_depth(manifests: Mapping[int, Manifest], rec: Record) -> int:
+    """Deltas decoded to rebuild ``rec`` (0 where its lineage is broken: nothing to bound)."""
+    if rec.ref is None:
+        return 0
+    below = depth(manifests, rec.ref, rec.name) or 0
+    return below + (rec.codec != "same")
+
+
+def keyed_at(manifests: Mapping[int, Manifest], step: int, name: str
+             ) -> tuple[int, int] | None:
+    """(deltas decoded, step of the keyframe record) to rebuild ``name`` at ``step``."""
+    n, at = 0, step
+    while True:
+        m = manifests.get(at)
+        rec = m.record(name) if m is not None else None
+        if rec is None:
+            return None
+        if rec.codec == "key":
+            return n, at
+        if rec.codec != "same":
+            n += 1
+        if rec.ref is None:
+            return None
+        at = rec.ref
+
+
+# ---------------------------------------------------------------- re-basing
+@dataclass(frozen=True)
+class Rewrite:
+    """One record of a kept step that must stop depending on a step that is going.
+
+    ``how``: ``"same"`` (its words equal ``against``'s: point at that record's data, nothing is
+    decoded), ``"copy"`` (its data is a keyframe record held elsewhere: its frames are copied
+    as they are), or ``"recode"`` (decoded and coded again, against ``against``'s words, or as
+    a keyframe when ``against`` is None).
+    """
+
+    name: str
+    how: str
+    against: int | None
+
+
+def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int]
+                ) -> list[tuple[int, list[Rewrite]]]:
+    """For each kept step, oldest first, the records to rewrite so that no kept step builds
+    on a step outside ``kept``.
+
+    A record is rewritten when the step it reads from (its reference, or for an unchanged
+    record the step holding its data) is not kept. Earlier kept steps are rewritten first, so
+    a record that reads from a kept step is already safe: that step's words never change.
+    """
+    order = sorted(set(kept) & set(manifests))
+    keep = set(order)
+    last_seen: dict[str, int] = {}  # the newest kept step so far with a record of each tensor
+    plan: list[tuple[int, list[Rewrite]]] = []
+    for step in order:
+        m = manifests[step]
+        todo = []
+        for rec in m.records:
+            prev = last_seen.get(rec.name)
+            last_seen[rec.name] = step
+            if rec.ref is None or rec.ref in keep:  # a keyframe record, or reading a kept step
+                continue
+            if prev is not None and manifests[prev].record(rec.name).hash == rec.hash:
+                todo.append(Rewrite(rec.name, "same", prev))
+            elif prev is None and _held_as_key(manifests, step, rec):
+                todo.append(Rewrite(rec.name, "copy", None))
+            else:
+                todo.append(Rewrite(rec.name, "recode", prev))
+        if todo:
+            plan.append((step, todo))
+    return plan
+
+
+def _held_as_key(manifests: Mapping[int, Manifest], step: int, rec: Record) -> bool:
+    at = holder(manifests, step, rec)
+    m = manifests.get(at)
+    data = m.record(rec.name) if m is not None else None
+    return data is not None and data.codec == "key"
+
+
+# ---------------------------------------------------------------- bytes at rest
+@dataclass
+class AtRest:
+    """What a run holds in its store, and why.
+
+    ``visible``: blobs and manifests of visible steps. ``hidden``: those of hidden steps still
+    kept, by step, with the visible steps that read from them (none: kept as a writer's
+    reference, or waiting for ``gc``). ``leftovers``: blobs no manifest names and temporary
+    files (a save in progress, or crashed ones that ``gc`` deletes after its grace period).
+    """
+
+    visible: int = 0
+    hidden: dict[int, int] | None = None
+    needed_by: dict[int, list[int]] | None = None
+    leftovers: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.visible + sum((self.hidden or {}).values()) + self.leftovers + self.other
+
+    def as_dict(self) -> dict[str, object]:
+        return {"total_bytes": self.total, "visible_bytes": self.visible,
+                "hidden_bytes": sum((self.hidden or {}).values()),
+                "hidden_steps": [{"step": s, "bytes": b,
+                                  "needed_by": (self.needed_by or {}).get(s, [])}
+                                 for s, b in sorted((self.hidden or {}).items())],
+                "leftover_bytes": self.leftovers, "other_bytes": self.other}
+
+
+def readers_of(manifests: Mapping[int, Manifest], visible: Iterable[int]) -> dict[int, list[int]]:
+    """For every step some visible step's rebuild reads, the visible steps that read it."""
+    out: dict[int, set[int]] = {}
+    for v in visible:
+        todo, seen = [v], {v}
+        while todo:
+            m = manifests.get(todo.pop())
+            for ref in m.refs() if m is not None else ():
+                if ref not in seen:
+                    seen.add(ref)
+                    todo.append(ref)
+                    out.setdefault(ref, set()).add(v)
+    return {s: sorted(v) for s, v in out.items()}

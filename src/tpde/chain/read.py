@@ -1,0 +1,356 @@
+"""Reading: rebuilding a step's words from its records' lineages, checked against hashes."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .. import codec, dtypes, elias, frames, tree
+from ..errors import CorruptionError, FormatError, TPDEError
+from ..manifest import Manifest, Record, content_hash
+from .base import ChainBase, Problem, Progress
+from .plan import batches
+
+#: Words a rebuild reads and decompresses at once (``Chain.materialize``).
+DECODE_BATCH_BYTES = 128 << 20
+#: Times a read starts again when the run's writer rewrote what it was reading (a re-base).
+REREADS = 3
+
+
+_pool_lock = threading.Lock()
+_pools_of: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = {}
+
+
+def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    """The process's decode threads and the threads that fetch one step ahead.
+
+    Made once per process (a forked child, such as a DataLoader worker, makes its own: the
+    parent's threads do not exist there): a mount decodes one module at a time, many times a
+    second, and starting threads for every decode cost more than decoding a small module.
+    """
+    with _pool_lock:
+        pid = os.getpid()
+        if pid not in _pools_of:
+            _pools_of.clear()
+            _pools_of[pid] = (
+                ThreadPoolExecutor(frames.default_threads(), thread_name_prefix="tpde-decode"),
+                ThreadPoolExecutor(2, thread_name_prefix="tpde-prefetch"))
+        return _pools_of[pid]
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
+    def run(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except TPDEError as exc:
+            return exc
+    return run
+
+
+def _decompress(r: Record, framed: dict[str, list[memoryview]], values_elsewhere: bool = False
+                ) -> dict[str, bytes]:
+    """The record's sections decompressed here (without its values where a GPU decodes them)."""
+    return {name: frames.decompress(fr, s.raw, s.chunk)
+            for (name, s), fr in zip(r.sections.items(), framed.values())
+            if not (values_elsewhere and name == "values")}
+
+
+def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
+             ) -> torch.Tensor:
+    """Decode one record against its reference words (``backend`` None: here; the GPU
+    backend keeps the words on its device)."""
+    r, _, secs, ref, positions, backend = job
+    if isinstance(secs, TPDEError):
+        raise secs
+    dt = dtypes.by_name(r.dtype)
+    n = r.numel * dt.words_per_element
+    # `ref` is a previous decode of this same materialize call: safe to overwrite.
+    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+                        positions=positions, inplace=True, backend=backend)
+
+
+def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
+    """``words`` if they hash to the record's hash (or need no check)."""
+    if isinstance(words, TPDEError):
+        raise words
+    if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
+        raise CorruptionError("restored bytes do not match the stored hash; the chain is "
+                              "damaged at this step")
+    return words
+
+
+def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None]
+                     ) -> torch.Tensor:
+    """``_rebuild`` and ``_check`` on the host, where the decompressed sections can go as soon
+    as their record is rebuilt (a GPU's stay until the device is done with them)."""
+    try:
+        return _check(job[0], job[1], _rebuild(job))
+    finally:
+        if isinstance(job[2], dict):
+            job[2].clear()
+
+
+def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
+               device: torch.device | None = None, *, consume: bool = False) -> torch.Tensor:
+    """One span's words from the words of its records (named in ``Manifest.spans`` order), on
+    ``device`` (None: where they are); a copy whenever they move or the span has pieces.
+    ``consume`` takes the records' words out of ``words`` as they are used, so that pieces are
+    freed while the span fills."""
+    names = list(names)
+    take = words.pop if consume else words.__getitem__
+    if len(names) == 1:
+        part = take(names[0])
+        return part.to(device if device is not None else part.device, copy=device is not None)
+    first = words[names[0]]
+    whole = torch.empty(sum(words[n].numel() for n in names), dtype=first.dtype,
+                        device=device if device is not None else first.device)
+    at = 0
+    for name in names:
+        part = take(name)
+        whole[at : at + part.numel()].copy_(part)
+        at += part.numel()
+    return whole
+
+
+class Reader(ChainBase):
+    """Rebuilding steps (the decode path of every front end)."""
+
+    def _fetch(self, m: Manifest, recs: list[Record]) -> list[dict[str, list[memoryview]]]:
+        """The frames of ``recs``' sections: one GET of the blob, or range reads for a few."""
+        wanted = [(s.offset, s.offset + s.length) for r in recs for s in r.sections.values()]
+        if not wanted:
+            return [{} for _ in recs]
+        try:
+            if self.store.whole_blob_reads and sum(b - a for a, b in wanted) * 2 >= m.blob_size:
+                blob = self.store.read(m.blob, m.blob_size)
+                if len(blob) != m.blob_size:
+                    raise CorruptionError(f"blob {m.blob} holds {len(blob)} bytes, the manifest "
+                                          f"says {m.blob_size} (truncated?)", run=self.url,
+                                          step=m.step)
+                view = memoryview(blob)
+                pieces = [view[a:b] for a, b in wanted]
+            else:
+                pieces = [memoryview(p) for p in self.store.read_ranges(m.blob, wanted)]
+        except FileNotFoundError:
+            raise CorruptionError(f"blob {m.blob} is missing", run=self.url, step=m.step) from None
+        out, it = [], iter(pieces)
+        for r in recs:
+            secs = {}
+            for sname, s in r.sections.items():
+                piece, at, fr = next(it), 0, []
+                for n in s.frames:
+                    fr.append(piece[at : at + n])
+                    at += n
+                secs[sname] = fr
+            out.append(secs)
+        return out
+
+    def materialize(self, step: int, names: Iterable[str] | None = None, *,
+                    problems: list[Problem] | None = None, check_every: bool = False,
+                    check: bool = True, progress: Progress | None = None,
+                    on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES
+                    ) -> dict[str, torch.Tensor]:
+        """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
+
+        The words a caller gets are hash-checked (``check=False`` only for bytes already checked
+        once and held unchanged since, as a mount does); with ``check_every`` so is every delta
+        on the way, which is what ``verify`` does. ``on`` rebuilds the words on that device
+        with ``tpde.kernels.backend`` (nvCOMP and Triton; the hash check copies them to the
+        host). A mismatch is traced back to the first damaged step either way. With
+        ``problems`` given, damaged tensors are reported there and skipped instead of raised.
+        Each step is read and decompressed in batches of about ``batch_bytes`` of words, so
+        that beside the words themselves a rebuild holds two batches, not two steps.
+
+        A read that finds data gone because the run's writer re-based the steps it reads
+        (``gc``) starts again from the rewritten manifests: the words are the same.
+        """
+        names = None if names is None else set(names)
+        for _ in range(REREADS):
+            found: list[Problem] | None = None if problems is None else []
+            try:
+                words = self._materialize(step, names, found, check_every, check, progress, on,
+                                          batch_bytes)
+            except CorruptionError:
+                if self._stale():
+                    continue
+                raise
+            if found and self._stale():
+                continue
+            if problems is not None and found:
+                problems += found
+            return words
+        raise CorruptionError("the run was rewritten while being read, several times in a row; "
+                              "try again", run=self.url, step=step)
+
+    def _materialize(self, step: int, names: set[str] | None, problems: list[Problem] | None,
+                     check_every: bool, check: bool, progress: Progress | None,
+                     on: torch.device | None, batch_bytes: int) -> dict[str, torch.Tensor]:
+        """``materialize``, once."""
+        target = self.manifest(step)
+        wanted = [r for r in target.records if names is None or r.name in names]
+        plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
+        failed: set[str] = set()
+
+        def fail(exc: TPDEError, at: int, name: str) -> None:
+            exc = exc.located(run=self.url, step=at, tensor=name)
+            if problems is None:
+                raise exc
+            problems.append(Problem(exc.step if exc.step is not None else at, name, str(exc)))
+            failed.add(name)
+
+        for rec in wanted:
+            try:
+                lineage = self._lineage(rec.name, step)
+            except TPDEError as exc:
+                fail(exc, step, rec.name)
+                continue
+            for i, (at, r) in enumerate(lineage):
+                plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
+        current: dict[str, torch.Tensor] = {}
+        # (step, batch) in step order; each is prepared while the one before is rebuilt.
+        units = [(at, batch) for at in sorted(plan)
+                 for batch in batches(plan[at], [r.raw_bytes for r, _ in plan[at]], batch_bytes)]
+        backend = None
+        if on is not None:
+            from tpde.kernels.backend import Kernels
+
+            backend = Kernels(on)
+
+        def prepare(unit: tuple[int, list[tuple[Record, bool]]]
+                    ) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
+            """Fetch, decompress and decode positions of one batch of a step: nothing here
+            needs the previous step's words, so it runs one batch ahead of the rebuild."""
+            at, batch = unit
+            todo = [(r, checked) for r, checked in batch if r.name not in failed]
+            try:
+                fetched = self._fetch(self.manifest(at), [r for r, _ in todo])
+            except TPDEError as exc:
+                return exc
+            recs = [r for r, _ in todo]
+            on_gpu = backend is not None and backend.nvcomp
+            sections = list(pool.map(_attempt(_decompress), recs, fetched,
+                                     [on_gpu] * len(recs)))
+            if on_gpu:
+                backend.add_values(sections, [
+                    (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
+                    if "values" in r.sections else None for r, f in zip(recs, fetched)])
+            if backend is not None:  # positions are decoded on the device
+                return todo, sections, [None] * len(todo)
+            return todo, sections, self._positions(recs, sections)
+
+        pool, ahead = _pools()
+        if units:
+            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 else \
+                _done(prepare(units[0]))
+            for k, (at, batch) in enumerate(units):
+                prepared = upcoming.result()
+                if k + 1 < len(units):
+                    upcoming = ahead.submit(prepare, units[k + 1])
+                if isinstance(prepared, TPDEError):
+                    for r, _ in batch:
+                        if r.name not in failed:
+                            fail(prepared, at, r.name)
+                    continue
+                jobs = [(r, checked, secs, current.get(r.name), pos, backend)
+                        for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
+                if backend is None:
+                    rebuilt = pool.map(_attempt(_rebuild_checked), jobs)
+                else:
+                    # Kernels are launched from this thread, one record after another (the
+                    # device runs them in order either way); the hashes are computed in the pool.
+                    words = [_attempt(_rebuild)(job) for job in jobs]
+                    backend.done([w for w in words if isinstance(w, torch.Tensor)])
+                    rebuilt = pool.map(_attempt(_check), [j[0] for j in jobs],
+                                       [j[1] for j in jobs], words)
+                for (r, checked, *_), done in zip(jobs, rebuilt):
+                    if isinstance(done, TPDEError):
+                        if checked and not check_every and isinstance(done, CorruptionError) \
+                                and not isinstance(done, FormatError):
+                            done, at_bad = self._trace(r.name, step, done, at)
+                            fail(done, at_bad, r.name)
+                        else:
+                            fail(done, at, r.name)
+                        continue
+                    current[r.name] = done
+                    if progress:
+                        progress(r.raw_bytes)
+                del prepared, jobs, rebuilt  # this batch's sections, before the next is waited on
+        result = {}
+        for rec in wanted:
+            if rec.name in failed:
+                continue
+            if check and rec.hash != self._data_hash(rec, step):
+                fail(CorruptionError("record's hash differs from the data it points to"),
+                     step, rec.name)
+                continue
+            result[rec.name] = current[rec.name]
+        return result
+
+    def _trace(self, name: str, step: int, exc: TPDEError, at: int) -> tuple[TPDEError, int]:
+        """Find the first damaged step of ``name``'s lineage by checking every delta's hash."""
+        found: list[Problem] = []
+        self.materialize(step, [name], problems=found, check_every=True)
+        if found:
+            return CorruptionError(found[0].message), found[0].step
+        return exc, at
+
+    @staticmethod
+    def _positions(recs: list[Record], sections: list[Any]) -> list[Any]:
+        """Decode the step's sparse position streams in one batch (None where not sparse).
+
+        If the batch fails, every record decodes its own stream so the error names its tensor.
+        """
+        sparse = [i for i, (r, secs) in enumerate(zip(recs, sections))
+                  if r.codec == "sparse" and isinstance(secs, dict) and "positions" in secs]
+        out: list[Any] = [None] * len(recs)
+        try:
+            decoded = elias.decode_many(
+                [sections[i]["positions"] for i in sparse],
+                [recs[i].numel * dtypes.by_name(recs[i].dtype).words_per_element for i in sparse])
+        except FormatError:
+            return out
+        for i, pos in zip(sparse, decoded):
+            out[i] = pos
+        return out
+
+    def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,
+             progress: Progress | None = None, keep_words: bool = True
+             ) -> tuple[Any, dict[str, torch.Tensor]]:
+        """The checkpoint at ``step`` and the host words it was built from.
+
+        Without ``keep_words`` no words are returned and the checkpoint's tensors are the
+        rebuilt words themselves wherever they need not move: a restore then holds one copy of
+        the state, not two. (A writer keeps the words to code the next delta against, so the
+        tensors it hands out must be copies that training can change.)
+        """
+        m = self.manifest(step)
+        words = self.materialize(step, progress=progress)
+        spans = []
+        for recs in m.spans():
+            dt = dtypes.by_name(recs[0].dtype)
+            names = [r.name for r in recs]
+            device = tree.resolve_device(recs[0].device, map_location)
+            if not keep_words and words[names[0]].device == device:
+                device = None
+            # Moved as words, then viewed: some dtypes (int1..int7) have no copy kernel.
+            data = span_words(names, words, device, consume=not keep_words)
+            spans.append(data.view(torch.uint8).view(dt.torch_dtype))
+        try:
+            state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")
+        except TPDEError as exc:
+            raise exc.located(run=self.url, step=step) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"skeleton is malformed ({exc})", run=self.url, step=step) from None
+        return state, words

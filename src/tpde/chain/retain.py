@@ -1,0 +1,233 @@
+"""Retention: hiding steps, re-basing the kept steps that read from hidden ones, and deleting
+what nothing needs any more, so that a run never holds more than its visible steps cost.
+
+A re-base rewrites one kept step at a time, exactly like a save: the step's new blob is written
+first, its new manifest replaces the old one atomically, and only then is the old blob deleted.
+The step's words never change, so later steps that read from it are untouched, and a kill at
+any moment leaves every visible step restorable (the hidden step it read from is deleted only
+once nothing reads from it). A reader that meets a blob deleted under it starts again from the
+new manifests (``Reader.materialize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+from .. import codec, dtypes, frames
+from ..errors import StepNotFoundError, TPDEError
+from ..manifest import REBASED_FORMAT, Manifest, Record
+from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name
+from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
+                   readers_of, record_depth)
+from .write import Writer, put_sections
+
+#: Raw bytes of records re-coded at once by a re-base (and stored bytes copied at once).
+REBASE_BATCH_BYTES = 64 << 20
+
+
+class Retainer(Writer):
+    """Removal, re-basing, garbage collection, accounting and verification."""
+
+    def remove(self, step: int) -> None:
+        """Hide ``step``; its data stays until ``collect`` or ``gc`` re-bases what reads it."""
+        if step not in self.steps():
+            raise StepNotFoundError("no such visible step to remove", run=self.url, step=step)
+        self.store.put_atomic(f"{REMOVED}/{name(step)}", b"")
+
+    def collect(self, *, keep: Iterable[int] = (), settings: codec.Settings | None = None,
+                keyframe_every: int = DEFAULT_KEYFRAME_EVERY, report: GcReport | None = None
+                ) -> GcReport:
+        """Re-base the visible steps (and ``keep``) off hidden ones, then delete every hidden
+        step nothing reads from any more."""
+        report = report or GcReport()
+        kept = {*self.steps(), *keep}
+        self.rebase(kept, settings=settings, keyframe_every=keyframe_every, report=report)
+        needed = self.needed(keep)
+        sizes = self._sizes()
+        for step in self.committed():
+            if step not in needed:
+                self._purge(step, report, sizes)
+        return report
+
+    def rebase(self, kept: Iterable[int], *, settings: codec.Settings | None = None,
+               keyframe_every: int = DEFAULT_KEYFRAME_EVERY, report: GcReport | None = None
+               ) -> GcReport:
+        """Rewrite the records of ``kept`` steps that read from steps outside ``kept``."""
+        report = report or GcReport()
+        started = time.perf_counter()
+        settings = settings or codec.Settings()
+        for step, rewrites in plan_rebase(self.manifests(), kept):
+            self._rewrite(step, rewrites, settings, keyframe_every)
+            report.rebased_steps.append(step)
+            report.rewritten_records += len(rewrites)
+        report.rebase_seconds += time.perf_counter() - started
+        return report
+
+    def _rewrite(self, step: int, rewrites: list[Rewrite], settings: codec.Settings,
+                 keyframe_every: int) -> None:
+        """Carry out one step's part of a re-base plan: a new blob (only if some record gets
+        data of its own), then the new manifest, then the old blob goes."""
+        old = self.manifest(step)
+        plan = {w.name: w for w in rewrites}
+        new_records: dict[str, Record] = {}
+        for w in rewrites:
+            if w.how == "same":
+                src = self.manifest(w.against).record(w.name)
+                ref = src.ref if src.codec == "same" else w.against
+                new_records[w.name] = dataclasses.replace(old.record(w.name), codec="same",
+                                                          ref=ref, residual=None, count=0,
+                                                          sections={})
+        if all(w.how == "same" for w in rewrites):
+            self._replace(old, self._summed(dataclasses.replace(old, records=[
+                new_records.get(r.name, r) for r in old.records])))
+            return
+        blob_rel = self.blob_for(step)
+        writer = self.store.open_write(blob_rel)
+        try:
+            sizes = [r.raw_bytes if r.name in plan and plan[r.name].how == "recode"
+                     else r.stored_bytes for r in old.records]
+            for batch in batches(old.records, sizes, REBASE_BATCH_BYTES):
+                for rec, sections in self._rewrite_batch(old, batch, plan, settings,
+                                                         keyframe_every):
+                    new_records[rec.name] = dataclasses.replace(
+                        rec, sections=put_sections(writer, sections))
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+        self._replace(old, self._summed(dataclasses.replace(
+            old, blob=blob_rel, blob_size=writer.size, origin=old.id,
+            format=max(old.format, REBASED_FORMAT),
+            records=[new_records.get(r.name, r) for r in old.records])))
+
+    def _summed(self, m: Manifest) -> Manifest:
+        """``m`` with its step-level summary (keyframe, parent, depth) taken from its records."""
+        refs = m.refs()
+        deepest = max((record_depth(self.lazy(), r) for r in m.records), default=0)
+        return dataclasses.replace(m, keyframe=not refs, parent=max(refs, default=None),
+                                   depth=deepest)
+
+    def _rewrite_batch(self, old: Manifest, batch: list[Record], plan: dict[str, Rewrite],
+                       settings: codec.Settings, keyframe_every: int
+                       ) -> list[tuple[Record, dict[str, frames.Section]]]:
+        """The records of one batch that hold data, with the sections to write for them:
+        copied from the old blob, copied from the keyframe record that holds them, or
+        re-coded."""
+        keep = [r for r in batch if r.name not in plan and r.sections]
+        copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
+        recode = [r for r in batch if r.name in plan and plan[r.name].how == "recode"]
+        out = []
+        for r, framed in zip(keep, self._fetch(old, keep)):
+            out.append((r, _sections(r, framed)))
+        for r in copies:
+            at, key = self._lineage(r.name, old.step)[0]
+            framed = self._fetch(self.manifest(at), [key])[0]
+            out.append((dataclasses.replace(r, codec="key", ref=None, residual=None, count=0,
+                                            hash=key.hash), _sections(key, framed)))
+        if recode:
+            words = self.materialize(old.step, [r.name for r in recode])
+            against: dict[int, list[str]] = {}
+            for r in recode:
+                v = plan[r.name].against
+                if v is not None and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every:
+                    against.setdefault(v, []).append(r.name)
+            refs = {}
+            for v, names in against.items():
+                refs.update({(v, n): w for n, w in self.materialize(v, names).items()})
+            for r in recode:
+                v = plan[r.name].against
+                ref_words = refs.pop((v, r.name), None)
+                dt = dtypes.by_name(r.dtype)
+                enc = codec.encode(words.pop(r.name), ref_words, dt.kind, settings)
+                if enc.codec == "same":
+                    src = self.manifest(v).record(r.name)
+                    ref = src.ref if src.codec == "same" else v
+                else:
+                    ref = None if enc.codec == "key" else v
+                out.append((dataclasses.replace(r, codec=enc.codec, ref=ref,
+                                                residual=enc.residual, count=enc.count),
+                            enc.sections))
+        return out
+
+    def _replace(self, old: Manifest, new: Manifest) -> None:
+        """Commit a rewritten manifest, then delete the blob it no longer uses."""
+        self.commit(new)
+        if old.blob and old.blob != new.blob:
+            self.store.delete(old.blob)
+
+    def gc(self, *, grace_seconds: float = 3600.0, keep: Iterable[int] = (),
+           settings: codec.Settings | None = None,
+           keyframe_every: int = DEFAULT_KEYFRAME_EVERY) -> GcReport:
+        """``collect``, then delete leftovers of crashed saves and re-bases.
+
+        Leftovers younger than ``grace_seconds`` are kept, since they may belong to a save in
+        progress in another process.
+        """
+        self.require_run()
+        report = self.collect(keep=keep, settings=settings, keyframe_every=keyframe_every)
+        live = {self.manifest(s).blob for s in self.committed()}
+        now = time.time()
+        for prefix in (DATA, STEPS):
+            for e in self.store.list(prefix):
+                leftover = (prefix == DATA and e.path not in live) or e.path.endswith(".tmp")
+                young = e.mtime is not None and now - e.mtime < grace_seconds
+                if leftover and not young:
+                    self.store.delete(e.path)
+                    report.freed_bytes += e.size
+                    report.deleted.append(e.path)
+        committed = set(self.committed())
+        for step in self.hidden() - committed:
+            self.store.delete(f"{REMOVED}/{name(step)}")
+            report.deleted.append(f"{REMOVED}/{name(step)}")
+        return report
+
+    def at_rest(self) -> AtRest:
+        """Every byte the run holds in its store, by why it is held."""
+        self.require_run()
+        files = {e.path: e.size for prefix in ("", DATA, STEPS, REMOVED)
+                 for e in self.store.list(prefix)}
+        committed = self.committed()
+        visible = set(self.steps())
+        manifests = self.manifests(committed)
+        out = AtRest(hidden={}, needed_by={})
+        owned: set[str] = set()
+        for s, m in manifests.items():
+            mine = [p for p in (f"{STEPS}/{name(s)}.json", m.blob) if p in files]
+            owned.update(mine)
+            size = sum(files[p] for p in mine)
+            if s in visible:
+                out.visible += size
+            else:
+                out.hidden[s] = size  # type: ignore[index]
+        readers = readers_of(manifests, visible)
+        out.needed_by = {s: readers.get(s, []) for s in out.hidden}  # type: ignore[union-attr]
+        for path, size in files.items():
+            if path in owned:
+                continue
+            if path.startswith(f"{DATA}/") or path.endswith(".tmp"):
+                out.leftovers += size
+            else:
+                out.other += size
+        return out
+
+    def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[Problem]:
+        """Rebuild and hash-check ``step`` (or every visible step); returns what is damaged."""
+        problems: list[Problem] = []
+        for s in [step] if step is not None else self.steps():
+            found: list[Problem] = []
+            try:
+                self.materialize(s, problems=found, check_every=True, progress=progress)
+            except TPDEError as exc:
+                exc = exc.located(run=self.url, step=s)
+                found.append(Problem(exc.step if exc.step is not None else s, exc.tensor, str(exc)))
+            problems += [Problem(p.step, p.tensor, p.message, needed_by=s) for p in found]
+        return problems
+
+
+def _sections(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, frames.Section]:
+    """A record's stored sections as they are, to copy into another blob."""
+    return {k: frames.Section(s.raw, s.chunk, tuple(bytes(f) for f in framed[k]))
+            for k, s in r.sections.items()}
+

@@ -1,0 +1,182 @@
+"""Writing: committing a step, blob first and manifest last, each tensor coded against the
+reference or re-keyed as ``plan.plan_keys`` says."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .. import codec, dtypes, frames, tree
+from ..errors import StepExistsError, TPDEError
+from ..manifest import PIECES_FORMAT, Manifest, Record, SectionRef, content_hash, parse
+from ..store import BlobWriter
+from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
+from .plan import Candidate, Piece, keyed_at, pieces, plan_keys
+from .read import Reader
+
+#: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
+#: pieces, each a record of its own, so that encoding a tensor, or reading its reference back
+#: from the store, never holds more than a piece of it at once. Half, so that two pieces are
+#: encoded at once: measured twice as fast as one at a time, in the same memory.
+PIECE_BYTES = 64 << 20
+
+
+def put_sections(writer: BlobWriter, sections: dict[str, frames.Section]
+                 ) -> dict[str, SectionRef]:
+    """Append sections to a blob; their references in it."""
+    out = {}
+    for sname, sec in sections.items():
+        offset = writer.size
+        for frame in sec.frames:
+            writer.write(frame)
+        out[sname] = SectionRef(offset, sec.raw, sec.chunk, sec.table())
+    return out
+
+
+class Writer(Reader):
+    """Committing steps."""
+
+    def blob_for(self, step: int) -> str:
+        return f"{DATA}/{name(step)}-{uuid.uuid4().hex[:12]}.tpd"
+
+    def commit(self, m: Manifest) -> Manifest:
+        """Write ``m`` (its blob is durable): the step is visible, or rewritten, from here on.
+        A failed local write deletes the blob (a failed rename is final; a remote PUT may
+        still land)."""
+        data = m.to_bytes()
+        try:
+            self.store.put_atomic(manifest_path(m.step), data)
+        except TPDEError as exc:
+            before = self._manifests.get(m.step)  # a re-base keeps its old blob until it commits
+            if self.store.local and m.blob and (before is None or before.blob != m.blob):
+                self.store.delete(m.blob)
+            raise exc.located(run=self.url, step=m.step) from exc
+        self._manifests[m.step] = m = parse(data, step=m.step)
+        return m
+
+    def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
+              settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
+              max_inflight_bytes: int = 256 << 20, owned: bool = False) -> tuple[Manifest, Reference]:
+        """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
+
+        With ``keep_reference`` the returned reference holds a host copy of every tensor, and
+        ``reference.words`` is consumed as tensors are encoded, so peak host memory stays near
+        one copy of the state. Without it nothing is kept: each tensor's reference is re-read
+        from the committed chain when it is encoded. Either way at most ``max_inflight_bytes``
+        of tensors (and at least one piece) are being encoded at once; spans larger than half
+        of it, or than ``PIECE_BYTES``, are stored in pieces. Callers drop the reference if
+        this raises. ``owned`` says the spans are private host copies (a snapshot), so they
+        become the next reference as they are instead of being copied again.
+        """
+        if type(step) is not int or step < 0:
+            raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
+        self._make_room(step)
+        if not self.is_run():
+            self.store.put_atomic(MARKER, json.dumps({"format": "tpde", "version": 1}).encode())
+        started = time.perf_counter()
+        todo = list(pieces(flat, min(PIECE_BYTES, max(1, max_inflight_bytes // 2))))
+        prev_m = self.manifest(reference.step) if reference is not None else None
+        lineages = {p.name: keyed_at(self.lazy(), prev_m.step, p.name) if prev_m else None
+                    for p in todo}
+        depths = {k: v[0] if v else None for k, v in lineages.items()}
+        keyed = plan_keys([Candidate(k, depths[k], v is not None and self.manifest(v[1]).keyframe)
+                           for k, v in lineages.items()], keyframe_every)
+        blob_rel = self.blob_for(step)
+        writer = self.store.open_write(blob_rel)
+        records: list[Record] = []
+        new_words: dict[str, torch.Tensor] = {}
+        deepest = 0
+
+        def encode(piece: Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
+            dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
+            w = dt.words_per_element
+            words = codec.to_words(piece.span.tensor.detach(), dt.word_dtype)
+            words = words[piece.lo * w : piece.hi * w]
+            copy = words.is_cuda or (keep_reference and not owned)
+            host = words.to("cpu", copy=True) if copy else words
+            ref_words = reference.words.pop(piece.name, None) if keep_reference and reference \
+                else None
+            if piece.name in keyed:
+                ref_words = None
+            elif not keep_reference:
+                ref_words = self._stored_words(reference, piece.name)
+            enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
+            # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
+            digest = (prev_m.record(piece.name).hash if enc.codec == "same"
+                      else content_hash(host.view(torch.uint8).numpy()))
+            return dt, host if keep_reference else None, enc, digest
+
+        def commit(piece: Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]
+                   ) -> None:
+            nonlocal deepest
+            dt, host, enc, digest = done
+            ref, d = None, 0
+            if enc.codec != "key":
+                prev = prev_m.record(piece.name)
+                d = depths[piece.name] + (enc.codec != "same")
+                ref = prev.ref if enc.codec == "same" and prev.codec == "same" else prev_m.step
+            deepest = max(deepest, d)
+            records.append(Record(piece.name, dt.name, piece.hi - piece.lo, piece.span.device,
+                                  enc.codec, digest, ref, enc.residual, enc.count,
+                                  put_sections(writer, enc.sections), piece.start))
+            if host is not None:
+                new_words[piece.name] = host
+
+        try:
+            workers = settings.threads or frames.default_threads()
+            with ThreadPoolExecutor(workers, thread_name_prefix="tpde-encode") as pool:
+                pending: deque[tuple[Piece, Future]] = deque()
+                inflight = 0
+                for piece in todo:
+                    while pending and (len(pending) >= 2 * workers
+                                       or inflight + piece.nbytes > max_inflight_bytes):
+                        done_piece, fut = pending.popleft()
+                        commit(done_piece, fut.result())
+                        inflight -= done_piece.nbytes
+                    pending.append((piece, pool.submit(encode, piece)))
+                    inflight += piece.nbytes
+                while pending:
+                    done_piece, fut = pending.popleft()
+                    commit(done_piece, fut.result())
+            writer.close()
+        except TPDEError as exc:
+            writer.abort()
+            raise exc.located(run=self.url, step=step) from exc
+        except BaseException:
+            writer.abort()
+            raise
+        self_contained = all(r.ref is None for r in records)
+        m = Manifest(
+            step=step, keyframe=self_contained, depth=deepest,
+            parent=None if self_contained else prev_m.step, blob=blob_rel,
+            blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
+            records=records,
+            format=PIECES_FORMAT if any(r.start is not None for r in records) else 1,
+        )
+        m.seconds = time.perf_counter() - started
+        m = self.commit(m)
+        return m, Reference(step, new_words)
+
+    def _stored_words(self, reference: Reference | None, piece: str) -> torch.Tensor | None:
+        """The reference step's words of one tensor, read back from the store."""
+        if reference is None or self.manifest(reference.step).record(piece) is None:
+            return None
+        return self.materialize(reference.step, [piece])[piece]
+
+    def _make_room(self, step: int) -> None:
+        """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""
+        if not self.store.exists(manifest_path(step)):
+            return
+        if step not in self.hidden():
+            raise StepExistsError("already committed and immutable; save under a new step or "
+                                  "remove() it first", run=self.url, step=step)
+        if step in self.needed():
+            raise StepExistsError("was removed, but later steps still need its data, so the "
+                                  "number cannot be reused yet; save under a new step",
+                                  run=self.url, step=step)
+        self._purge(step, GcReport(), self._sizes())

@@ -1,0 +1,207 @@
+"""Retention-aware chains: removing steps re-bases what reads them, and a run never holds more
+than its visible steps would cost stored as keyframes (docs/format.md, "Bytes at rest")."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import tpde
+from helpers import assert_same, decode_depths
+from tpde.chain import Chain
+from tpde.chain.plan import Candidate, plan_keys, plan_rebase
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+
+
+def on_disk(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+def keyframe_cost(state: dict, folder: str) -> int:
+    """The blob of ``state`` saved alone as a keyframe, with the same codec settings."""
+    with tpde.Checkpointer(folder, keyframe_every=1, chunk_bytes=4096) as ck:
+        ck.save(0, state)
+        return ck.chain.manifest(0).blob_size
+
+
+class Run:
+    """A real run driven by random operations, with the states it should hold."""
+
+    def __init__(self, root: str, kinds: list[tuple[str, torch.dtype]], keyframe_every: int,
+                 seed: int) -> None:
+        self.url, self.root = os.path.join(root, "run"), root
+        self.g = torch.Generator().manual_seed(seed)
+        self.keyframe_every = keyframe_every
+        self.ck = tpde.Checkpointer(self.url, keyframe_every=keyframe_every, chunk_bytes=4096)
+        self.tensors = {f"t{i}": self._fresh(dt, 64 + 700 * i) for i, (_, dt) in enumerate(kinds)}
+        self.kinds = {f"t{i}": kind for i, (kind, _) in enumerate(kinds)}
+        self.expected: dict[int, dict] = {}
+        self.cost: dict[int, int] = {}
+        self.next = 0
+
+    def _fresh(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        if dtype.is_floating_point:
+            return torch.randn(n, generator=self.g).to(dtype)
+        return torch.randint(-1000, 1000, (n,), generator=self.g, dtype=dtype)
+
+    def save(self) -> None:
+        for name, t in self.tensors.items():
+            kind = self.kinds[name]
+            if kind == "sparse":
+                at = torch.randint(0, t.numel(), (3,), generator=self.g)
+                t[at] = self._fresh(t.dtype, 3)
+            elif kind == "dense":
+                t.copy_(t + self._fresh(t.dtype, t.numel()) * (1e-3 if t.is_floating_point() else 1))
+        state = {name: t.clone() for name, t in self.tensors.items()} | {"step": self.next}
+        self.ck.save(self.next, state)
+        self.expected[self.next] = state
+        self.cost[self.next] = keyframe_cost(state, os.path.join(self.root, f"key{self.next}"))
+        self.next += 1
+
+    def remove(self, pick: int) -> None:
+        visible = self.ck.steps()
+        if visible:
+            step = visible[pick % len(visible)]
+            self.ck.remove(step)
+            del self.expected[step]
+
+    def reopen(self) -> None:
+        """A new writer on the run, resumed from its latest step (fresh caches)."""
+        self.ck.close()
+        self.ck = tpde.Checkpointer(self.url, keyframe_every=self.keyframe_every, chunk_bytes=4096)
+        if self.ck.steps():
+            self.ck.load()
+
+    def check(self) -> None:
+        chain = Chain(self.url)  # a reader of its own: nothing cached from the writer
+        assert chain.steps() == sorted(self.expected) if chain.is_run() else not self.expected
+        for step, state in self.expected.items():
+            assert_same(state, chain.load(step)[0], f"step {step}")
+            assert max(decode_depths(chain, step).values()) < self.keyframe_every
+        if not chain.is_run():
+            return
+        rest = chain.at_rest()
+        assert rest.total == on_disk(self.url)
+        ref = self.ck._reference.step if self.ck._reference else None
+        # Hidden steps hold bytes only as the writer's reference: nothing else is kept.
+        assert set(rest.hidden or {}) <= {ref}, rest.as_dict()
+        manifests = sum(os.path.getsize(os.path.join(self.url, "steps", f"{s:020d}.json"))
+                        for s in self.expected)
+        bound = sum(self.cost[s] for s in self.expected) + manifests + rest.other \
+            + sum((rest.hidden or {}).values())
+        assert rest.total <= bound, (rest.as_dict(), bound)
+
+
+@given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense"]),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=3),
+       ops=st.lists(st.one_of(st.just(("save",)), st.just(("gc",)), st.just(("reopen",)),
+                              st.tuples(st.just("remove"), st.integers(0, 50))),
+                    min_size=1, max_size=14),
+       keyframe_every=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, keyframe_every,
+                                                                  seed) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        run = Run(root, kinds, keyframe_every, seed)
+        for op in [("save",)] + ops:
+            if op[0] == "save":
+                run.save()
+            elif op[0] == "remove":
+                run.remove(op[1])
+            elif op[0] == "gc":
+                run.ck.gc(grace_seconds=0)
+            else:
+                run.reopen()
+            run.check()
+        run.ck.close()
+
+
+def test_a_frozen_tensor_is_stored_once_for_the_life_of_the_run(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    base, adapter = torch.randn(50_000, generator=g), torch.zeros(500)
+    with tpde.Checkpointer(str(tmp_path / "r"), keyframe_every=4) as ck:
+        for step in range(48):
+            adapter += torch.randn(500, generator=g) * 1e-2
+            ck.save(step, {"base": base, "adapter": adapter})
+        holders = [s for s in ck.steps() if ck.chain.manifest(s).record("base").codec != "same"]
+        assert holders == [0]
+        ck.remove(*range(0, 40))  # the base's keyframe moves to the oldest kept step, once
+        holders = [s for s in ck.steps() if ck.chain.manifest(s).record("base").codec != "same"]
+        assert holders == [40] and ck.chain.manifest(40).record("base").codec == "key"
+        assert torch.equal(tpde.load_checkpoint(str(tmp_path / "r"), 47)["base"], base)
+
+
+def test_a_reader_holding_old_manifests_reads_on_through_a_rebase(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    states = {}
+    with tpde.Checkpointer(url, keyframe_every=8) as ck:
+        w = torch.randn(4000)
+        for step in range(4):
+            w[step * 10] += 1
+            states[step] = {"w": w.clone()}
+            ck.save(step, states[step])
+        reader = Chain(url)
+        reader.manifest(3), reader.manifest(2), reader.manifest(1)  # cached before the re-base
+        report = ck.remove(1, 2)  # step 3 is rewritten, its old blob and steps 1, 2 deleted
+        assert report.rebased_steps == [3] and report.purged_steps == [1, 2]
+    assert_same(states[3], reader.load(3)[0])
+
+
+def test_rebased_steps_stay_named_by_their_checkpoint_entries(tmp_path) -> None:
+    """Entries name a step by the blob it was first written to; a re-base keeps that name."""
+    url = str(tmp_path / "r")
+    w = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    with tpde.Checkpointer(url) as ck:
+        for step in range(3):
+            w[step] += 1
+            ck.save(step, {"w": w, "frozen": torch.ones(1000)})
+        first = ck.chain.manifest(2).id
+        ck.remove(1)  # step 2's delta read step 1: re-coded into a new blob
+        m = ck.chain.manifest(2)
+        assert m.id == first and m.blob != first and m.format == 3
+    from tpde import entry
+
+    entry.check(Chain(url), 2, first, "the entry")  # does not raise: the same step
+
+
+# ---------------------------------------------------------------- the plans, without a store
+def test_keyframes_spread_over_steps_and_keep_their_period() -> None:
+    k, names = 16, [f"layer{i}.weight" for i in range(64)]
+    depth: dict[str, int | None] = {n: None for n in names}
+    synced = dict.fromkeys(names, False)
+    keyed_per_step = []
+    for _ in range(160):
+        keyed = plan_keys([Candidate(n, depth[n], synced[n]) for n in names], k)
+        everything = len(keyed) == len(names)
+        for n in names:  # every tensor changes every step
+            if n in keyed:
+                depth[n], synced[n] = 0, everything
+            else:
+                depth[n] = depth[n] + 1  # type: ignore[operator]
+            assert depth[n] < k
+        keyed_per_step.append(len(keyed))
+    assert keyed_per_step[0] == 64
+    assert max(keyed_per_step[k:]) <= 64 // 4  # spread: never a whole keyframe again
+    assert sum(keyed_per_step[-8 * k:]) == 8 * 64  # and each tensor keyed once per period
+
+
+def test_the_rebase_plan_reads_only_from_kept_steps(tmp_path) -> None:
+    url = str(tmp_path / "r")
+    with tpde.Checkpointer(url, keyframe_every=16) as ck:
+        w = torch.randn(3000)
+        for step in range(6):
+            w[step] += 1
+            ck.save(step, {"w": w.clone(), "frozen": torch.arange(100)})
+    chain = Chain(url)
+    plan = dict(plan_rebase(chain.manifests(), {0, 3, 5}))
+    # 3 read 2: re-coded against 0; 5 read 4: re-coded against 3; the frozen tensor reads 0.
+    assert {(w.name, w.how, w.against) for w in plan[3]} == {("w", "recode", 0)}
+    assert {(w.name, w.how, w.against) for w in plan[5]} == {("w", "recode", 3)}
+    plan = dict(plan_rebase(chain.manifests(), {3, 5}))
+    assert {(w.name, w.how) for w in plan[3]} == {("w", "recode"), ("frozen", "copy")}
+    assert {(w.name, w.how, w.against) for w in plan[5]} == {("w", "recode", 3),
+                                                              ("frozen", "same", 3)}
