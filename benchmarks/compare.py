@@ -158,6 +158,9 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
             return {"name": first.name, "status": f"not installed ({first.needs})"}
     states = workloads.load(workload, quick)
     raw = workloads.torch_sizes(workload, quick, states)
+    removed_after = workloads.removals(workload, quick)
+    gone = {s for steps in removed_after.values() for s in steps}
+    kept = [s for s in range(len(states)) if s not in gone]
     out: dict[str, Any] = {"name": first.name, "status": "ok", "save_s": [],
                            "restore_latest_s": [], "restore_worst_s": [],
                            "peak_rss_save": 0, "peak_rss_restore": 0}
@@ -171,14 +174,16 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
                 started = time.perf_counter()
                 for step, state in enumerate(states):
                     c.save(folder, step, state)
+                    for old in removed_after.get(step, []):
+                        c.remove(folder, old)
                 c.close(folder)
                 out["save_s"].append(time.perf_counter() - started)
                 out["peak_rss_save"] = max(out["peak_rss_save"], _peak_since(base))
                 out["stored_bytes"] = sum(os.path.getsize(os.path.join(d, f))
                                           for d, _, files in os.walk(folder) for f in files)
-                worst = c.worst_step(folder, len(states))
+                worst = c.worst_step(folder, kept)
                 out["worst_step"] = worst
-                for key, target in (("restore_latest_s", len(states) - 1),
+                for key, target in (("restore_latest_s", kept[-1]),
                                     ("restore_worst_s", worst)):
                     base = _reset_peak()
                     started = time.perf_counter()
@@ -198,7 +203,7 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
     except Exception as exc:  # a contender that fails is a result, not a crash of the suite
         out["status"] = f"failed: {type(exc).__name__}: {exc}"[:300]
         return out
-    if isinstance(first, contenders.TPDE) and not first.options:
+    if isinstance(first, contenders.TPDE) and not first.options and not removed_after:
         keys = {int(s) for s in out["details"]["keyframes"]}
         deltas = [s for s in range(len(states)) if s not in keys]
         if deltas:
@@ -207,6 +212,7 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
                                             for s in deltas)
             out["delta_entropy_bytes"] = entropy_estimate(states, deltas)
     out["raw_bytes"] = raw
+    out["kept"] = kept
     return out
 
 
@@ -214,14 +220,15 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
 def summarize(r: dict) -> dict:
     if "save_s" not in r or not r["save_s"] or r["status"].startswith("failed"):
         return r
-    total = sum(r["raw_bytes"])
+    # What the plain format holds at the end: every kept checkpoint's torch.save file.
+    total = sum(r["raw_bytes"][k] for k in r["kept"])
     s = dict(r)
     s["ratio"] = total / r["stored_bytes"]
     s["save_s_median"] = statistics.median(r["save_s"])
     s["save_mb_s"] = total / 1e6 / s["save_s_median"]
     for key in ("latest", "worst"):
         t = statistics.median(r[f"restore_{key}_s"])
-        step = len(r["raw_bytes"]) - 1 if key == "latest" else r["worst_step"]
+        step = r["kept"][-1] if key == "latest" else r["worst_step"]
         s[f"restore_{key}_s_median"] = t
         s[f"restore_{key}_mb_s"] = r["raw_bytes"][step] / 1e6 / t
     return s
@@ -253,7 +260,8 @@ def run_suite(names: list[str], quick: bool, repeats: int) -> dict:
                 entry["contenders"][r["name"]] = r
                 if "raw_bytes" in r:
                     entry["checkpoints"] = len(r["raw_bytes"])
-                    entry["torch_save_bytes"] = sum(r["raw_bytes"])
+                    entry["kept"] = len(r["kept"])
+                    entry["torch_save_bytes"] = sum(r["raw_bytes"][k] for k in r["kept"])
                 bar.advance(task)
             results[name] = entry
             workload_table(name, entry)

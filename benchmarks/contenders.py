@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import struct
 import warnings
 from typing import Any, Callable
@@ -38,9 +39,16 @@ class Contender:
     def load(self, folder: str, step: int) -> Any:
         raise NotImplementedError
 
-    def worst_step(self, folder: str, steps: int) -> int:
-        """The step that is slowest to restore: the latest unless steps depend on others."""
-        return steps - 1
+    def remove(self, folder: str, step: int) -> None:
+        """Free a step that is no longer kept (a retention policy removed it)."""
+        for name in os.listdir(folder):
+            if name.startswith(f"step-{step:06d}"):
+                path = os.path.join(folder, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+    def worst_step(self, folder: str, steps: list[int]) -> int:
+        """The kept step that is slowest to restore: the latest unless steps depend on others."""
+        return steps[-1]
 
     def details(self, folder: str) -> dict:
         return {}
@@ -213,6 +221,9 @@ class ZipNNDelta(ZipNN):
         self.reading[name] = raw
         return raw
 
+    def remove(self, folder: str, step: int) -> None:
+        """Nothing is freed: every later step is a delta against this one (no re-basing)."""
+
     def load(self, folder: str, step: int) -> Any:
         """Every step from the first, since each is a delta against the one before."""
         self.reading = {}
@@ -300,10 +311,14 @@ class TPDE(Contender):
         # trusted, as the torch.save contenders load with weights_only=False
         return tpde.Checkpointer(os.path.join(folder, "run")).load(step, trusted=True)
 
-    def worst_step(self, folder: str, steps: int) -> int:
-        """The step with the most deltas to apply since its keyframe (the latest such)."""
+    def remove(self, folder: str, step: int) -> None:
+        assert self.writer is not None
+        self.writer.remove(step)  # re-bases the kept steps that read it, frees it
+
+    def worst_step(self, folder: str, steps: list[int]) -> int:
+        """The kept step with the most deltas to apply since a keyframe (the latest such)."""
         chain = tpde.Checkpointer(os.path.join(folder, "run")).chain
-        return max(range(steps), key=lambda s: (chain.manifest(s).depth, s))
+        return max(steps, key=lambda s: (chain.manifest(s).depth, s))
 
     def details(self, folder: str) -> dict:
         reader = tpde.Checkpointer(os.path.join(folder, "run"))

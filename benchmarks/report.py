@@ -54,7 +54,10 @@ def contenders(data: dict) -> None:
 
 def workload_table(name: str, w: dict) -> None:
     """One workload's contenders as a markdown table, with tpde's codec mix and estimate."""
-    print(f"### {name}: {w.get('checkpoints', '?')} checkpoints, "
+    kept = w.get("kept", w.get("checkpoints"))
+    held = "" if kept == w.get("checkpoints") else \
+        f" saved, {kept} kept at the end (ratios against the kept ones)"
+    print(f"### {name}: {w.get('checkpoints', '?')} checkpoints{held}, "
           f"{w.get('torch_save_bytes', 0) / 1e6:.1f} MB as torch.save\n")
     print("| contender | stored MB | ratio | save MB/s | restore latest MB/s | worst step "
           "restore s | peak extra RSS save / restore MB | round trip |")

@@ -14,6 +14,12 @@ list of checkpoints exactly as a training loop would hand them to a checkpoint l
                      projection trained; the full model state + optimizer every 20 steps
   E lightning        the checkpoints Lightning's ModelCheckpoint hands its CheckpointIO when
                      examples/lightning_train.py trains (loops, callbacks, hparams included)
+  G lightning-       E's run as ModelCheckpoint(save_top_k=2, save_last=True) keeps it: the same
+    retention        checkpoints, each removed when Lightning removes or replaces its file;
+                     contenders are compared with the bytes TorchCheckpointIO holds at the end
+  F frozen-base      a long adapter fine-tune: A's GPT-style model (12.6 MB fp32, trained one
+                     epoch) frozen, rank-8 LoRA adapters on its feed-forward layers and head
+                     trained; {model, optimizer} every 2 optimizer steps, 48 checkpoints
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 from quickstart import TinyGPT, corpus, torch_save_bytes  # noqa: E402
 
-NAMES = ("A-gpt-pretrain", "B-minilm-finetune", "C-minilm-bf16", "D-minilm-lora", "E-lightning")
+NAMES = ("A-gpt-pretrain", "B-minilm-finetune", "C-minilm-bf16", "D-minilm-lora", "E-lightning",
+         "F-frozen-base", "G-lightning-retention")
 
 # (full, quick) sizes: checkpoints and optimizer steps between them.
 SIZES = {
@@ -49,7 +56,10 @@ SIZES = {
     "D-minilm-lora": {"full": {"checkpoints": 6, "every": 20},
                       "quick": {"checkpoints": 3, "every": 10}},
     "E-lightning": {"full": {"dim": 192, "layers": 4}, "quick": {"dim": 128, "layers": 2}},
+    "F-frozen-base": {"full": {"checkpoints": 48, "every": 2},
+                      "quick": {"checkpoints": 16, "every": 2}},
 }
+SIZES["G-lightning-retention"] = SIZES["E-lightning"]
 
 
 def english_text() -> str:
@@ -113,24 +123,59 @@ def _bf16(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: cast[v.data_ptr()] for k, v in state.items()}
 
 
-def gpt_pretrain(epochs: int) -> list:
-    """One epoch = every non-overlapping 65-byte window of the corpus once, shuffled."""
-    torch.manual_seed(0)
-    data, model = corpus(), TinyGPT(256, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _gpt_batches(epochs: int) -> Iterator[torch.Tensor]:
+    """Every non-overlapping 65-byte window of the corpus once per epoch, shuffled."""
+    data = corpus()
     windows = data[: (data.numel() // 65) * 65].reshape(-1, 65)
     g = torch.Generator().manual_seed(0)
-    out = []
-    for epoch in range(epochs):
+    for _ in range(epochs):
         for rows in torch.randperm(len(windows), generator=g).split(32):
-            batch = windows[rows]
-            loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 256),
-                                                     batch[:, 1:].reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        print(f"  epoch {epoch} loss {loss.item():.3f}", file=sys.stderr)
-        out.append(_full(model, opt))
+            yield windows[rows]
+
+
+def _gpt_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).reshape(-1, 256),
+                                             batch[:, 1:].reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def gpt_pretrain(epochs: int) -> list:
+    """{model, optimizer} at the end of every epoch."""
+    torch.manual_seed(0)
+    model = TinyGPT(256, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out = []
+    per_epoch = len(list(_gpt_batches(1)))
+    for i, batch in enumerate(_gpt_batches(epochs), 1):
+        loss = _gpt_step(model, opt, batch)
+        if i % per_epoch == 0:
+            print(f"  epoch {i // per_epoch - 1} loss {loss:.3f}", file=sys.stderr)
+            out.append(_full(model, opt))
+    return out
+
+
+def frozen_base(checkpoints: int, every: int) -> list:
+    """A's model after one epoch, frozen; LoRA adapters trained on top of it."""
+    torch.manual_seed(0)
+    model = TinyGPT(256, 4)
+    base_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in _gpt_batches(1):
+        _gpt_step(model, base_opt, batch)
+    model.requires_grad_(False)
+    for layer in model.blocks.layers:
+        layer.linear1, layer.linear2 = LoRA(layer.linear1), LoRA(layer.linear2)
+    model.head = LoRA(model.head)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    out = []
+    for i, batch in enumerate(_gpt_batches(2), 1):
+        _gpt_step(model, opt, batch)
+        if i % every == 0:
+            out.append(_full(model, opt))
+            if len(out) == checkpoints:
+                return out
     return out
 
 
@@ -175,8 +220,9 @@ def minilm_lora(checkpoints: int, every: int) -> list:
             if step % every == 0]
 
 
-def lightning_run(dim: int, layers: int) -> list:
-    """Every checkpoint of the example Lightning run, captured as ModelCheckpoint saves it."""
+def lightning_run(dim: int, layers: int) -> tuple[list, dict[int, list[int]]]:
+    """Every checkpoint of the example Lightning run, captured as ModelCheckpoint saves it, and
+    after which save each stopped being kept (its file removed, or replaced by a newer one)."""
     from lightning.pytorch.plugins import TorchCheckpointIO
     from lightning_train import train
 
@@ -184,15 +230,28 @@ def lightning_run(dim: int, layers: int) -> list:
         def __init__(self) -> None:
             super().__init__()
             self.saved: list[dict] = []
+            self.at: dict[str, int] = {}  # checkpoint path -> the save it holds
+            self.removed_after: dict[int, list[int]] = {}
+
+        def _drop(self, index: int | None) -> None:
+            if index is not None and index not in self.at.values():
+                self.removed_after.setdefault(len(self.saved) - 1, []).append(index)
 
         def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
             self.saved.append(copy.deepcopy(checkpoint))
+            replaced = self.at.get(str(path))
+            self.at[str(path)] = len(self.saved) - 1
+            self._drop(replaced)
             super().save_checkpoint(checkpoint, path, storage_options)
+
+        def remove_checkpoint(self, path: Any) -> None:
+            self._drop(self.at.pop(str(path), None))
+            super().remove_checkpoint(path)
 
     capture = Capture()
     with tempfile.TemporaryDirectory() as root:
         train(root, capture, epochs=3, every=4, dim=dim, layers=layers)
-    return capture.saved
+    return capture.saved, capture.removed_after
 
 
 def generate(name: str, quick: bool) -> dict[str, list]:
@@ -203,10 +262,14 @@ def generate(name: str, quick: bool) -> dict[str, list]:
         full, bf16 = minilm_finetune(bf16_every=SIZES["C-minilm-bf16"][mode]["every"],
                                      **SIZES["B-minilm-finetune"][mode])
         return {"B-minilm-finetune": full, "C-minilm-bf16": bf16}
+    if name in ("E-lightning", "G-lightning-retention"):
+        saved, removed_after = lightning_run(**size)
+        return {"E-lightning": saved,
+                "G-lightning-retention": {"states": saved, "removed_after": removed_after}}
     makers: dict[str, Callable[[], list]] = {
         "A-gpt-pretrain": lambda: gpt_pretrain(**size),
         "D-minilm-lora": lambda: minilm_lora(**size),
-        "E-lightning": lambda: lightning_run(**size),
+        "F-frozen-base": lambda: frozen_base(**size),
     }
     return {name: makers[name]()}
 
@@ -228,10 +291,22 @@ def ensure(name: str, quick: bool) -> str:
     return path
 
 
-def load(name: str, quick: bool) -> list:
-    """The workload's checkpoints, from the cache or generated (and cached) now."""
+def _load(name: str, quick: bool) -> Any:
     # Lightning checkpoints hold hyperparameter objects; this cache is written by this module.
     return torch.load(ensure(name, quick), weights_only=False)
+
+
+def load(name: str, quick: bool) -> list:
+    """The workload's checkpoints, from the cache or generated (and cached) now."""
+    found = _load(name, quick)
+    return found["states"] if isinstance(found, dict) else found
+
+
+def removals(name: str, quick: bool) -> dict[int, list[int]]:
+    """After which checkpoint which earlier ones are removed (none but for retention runs)."""
+    if name != "G-lightning-retention":
+        return {}
+    return {int(k): v for k, v in _load(name, quick)["removed_after"].items()}
 
 
 def torch_sizes(name: str, quick: bool, states: list | None = None) -> list[int]:

@@ -14,7 +14,7 @@ from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError
                      UnsupportedError, WriterConflictError)
 from tpde.plugins.hook import AttachHandle, attach
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttachHandle",

@@ -133,7 +133,7 @@ class Checkpointer:
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  storage_options: dict[str, Any] | None = None, level: int | None = frames.DEFAULT_LEVEL,
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
-                 key_margin: float = 0.9, lease_seconds: float = DEFAULT_LEASE_SECONDS,
+                 key_margin: float = 0.95, lease_seconds: float = DEFAULT_LEASE_SECONDS,
                  takeover: bool = False, reference: str = "host",
                  max_inflight_bytes: int = 256 << 20) -> None:
         if keyframe_every < 1:

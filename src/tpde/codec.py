@@ -43,7 +43,10 @@ class Settings:
     chunk: int = frames.DEFAULT_CHUNK
     threads: int | None = None
     #: A delta is used only when it is smaller than this fraction of the keyframe encoding.
-    key_margin: float = 0.9
+    #: 0.95 measured best over the compare.py workloads (0.9 keeps keyframes that a delta beats
+    #: by 5-10%: 3% more bytes on A; 1.0 makes chains deep enough that forced re-keys cost
+    #: more on E).
+    key_margin: float = 0.95
     block: int = elias.DEFAULT_BLOCK
 
 
@@ -142,13 +145,28 @@ def _bytes_of(planes: torch.Tensor) -> memoryview:
     return memoryview(planes.cpu().numpy()).cast("B")
 
 
+def plane_chunk(words: int, target: int) -> int:
+    """A chunk size near ``target`` that tiles the byte planes of ``words`` words.
+
+    Each plane is ``words`` bytes. Chunks that straddle planes mix the compressible top bytes
+    with incompressible mantissa bytes under one Huffman table: measured 2.7% larger on a real
+    147456-element fp32 weight (256 KiB chunks) than chunks of one plane each. Where the plane
+    size has no divisor in range, chunks drift by less than one byte per chunk.
+    """
+    if words <= 0:
+        return target
+    per_plane = -(-words // target)
+    return max(frames.MIN_CHUNK, min(frames.MAX_CHUNK, -(-words // per_plane)))
+
+
 def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
+    chunk = plane_chunk(words.numel(), s.chunk)
     if words.is_cuda:
         from tpde.kernels import nvcomp
 
         if nvcomp.available():
-            return nvcomp.compress(shuffle(words), level=s.level, chunk=s.chunk)
-    return frames.compress(_bytes_of(shuffle(words)), level=s.level, chunk=s.chunk,
+            return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
+    return frames.compress(_bytes_of(shuffle(words)), level=s.level, chunk=chunk,
                            threads=s.threads)
 
 
@@ -161,7 +179,11 @@ def _sample_index(length: int, device: torch.device) -> torch.Tensor | None:
 
 
 def _packed_size(words: torch.Tensor, s: Settings) -> int:
-    return len(frames.compressor(s.level, s.chunk).compress(_bytes_of(shuffle(words))))
+    """The compressed size of a sample, coded as a full encode would code it: by plane."""
+    data = _bytes_of(shuffle(words))
+    n = words.numel()
+    cctx = frames.compressor(s.level, plane_chunk(n, s.chunk))
+    return sum(len(cctx.compress(data[i : i + n])) for i in range(0, len(data), max(1, n)))
 
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,

@@ -164,7 +164,7 @@ def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int]
     record the step holding its data) is not kept. Earlier kept steps are rewritten first, so
     a record that reads from a kept step is already safe: that step's words never change.
     """
-    order = sorted(set(kept) & set(manifests))
+    order = sorted(s for s in set(kept) if manifests.get(s) is not None)
     keep = set(order)
     last_seen: dict[str, int] = {}  # the newest kept step so far with a record of each tensor
     plan: list[tuple[int, list[Rewrite]]] = []

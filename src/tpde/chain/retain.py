@@ -58,7 +58,7 @@ class Retainer(Writer):
         report = report or GcReport()
         started = time.perf_counter()
         settings = settings or codec.Settings()
-        for step, rewrites in plan_rebase(self.manifests(), kept):
+        for step, rewrites in plan_rebase(self.lazy(), kept):
             self._rewrite(step, rewrites, settings, keyframe_every)
             report.rebased_steps.append(step)
             report.rewritten_records += len(rewrites)
@@ -188,9 +188,9 @@ class Retainer(Writer):
         self.require_run()
         files = {e.path: e.size for prefix in ("", DATA, STEPS, REMOVED)
                  for e in self.store.list(prefix)}
-        committed = self.committed()
         visible = set(self.steps())
-        manifests = self.manifests(committed)
+        lazy = self.lazy()  # a damaged manifest's files count as leftovers, not as an error
+        manifests = {s: m for s in lazy if (m := lazy.get(s)) is not None}
         out = AtRest(hidden={}, needed_by={})
         owned: set[str] = set()
         for s, m in manifests.items():
