@@ -72,8 +72,8 @@ def main() -> None:
         states = workloads.load(name, args.quick)
         torch_bytes = sum(workloads.torch_sizes(name, args.quick, states))
         entry = {"checkpoints": len(states), "torch_save_bytes": torch_bytes, "settings": {}}
-        # The defaults are level=1 and keyframe_every=16: the first row.
-        grid = [(f"level={lv}", {"level": lv}) for lv in (1, 3, 6, 9, 12)] \
+        # The defaults are level=None (byte-plane parameters) and keyframe_every=16: the first row.
+        grid = [(f"level={lv}", {"level": lv}) for lv in (None, 1, 3, 6, 9, 12)] \
             + [(f"keyframe_every={k}", {"keyframe_every": k}) for k in (1, 4, 8, 32)]
         for label, options in grid:
             r = run_chain(states, **options)

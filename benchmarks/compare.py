@@ -225,7 +225,7 @@ def summarize(r: dict) -> dict:
     s = dict(r)
     s["ratio"] = total / r["stored_bytes"]
     s["save_s_median"] = statistics.median(r["save_s"])
-    s["save_mb_s"] = total / 1e6 / s["save_s_median"]
+    s["save_mb_s"] = sum(r["raw_bytes"]) / 1e6 / s["save_s_median"]  # every step saved
     for key in ("latest", "worst"):
         t = statistics.median(r[f"restore_{key}_s"])
         step = r["kept"][-1] if key == "latest" else r["worst_step"]

@@ -9,6 +9,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -236,8 +237,8 @@ def test_corruption_is_detected_and_named(tmp_path) -> None:
     tpde.Checkpointer(url).load(0)  # does not depend on the damaged blob
 
     manifest = tmp_path / "r" / "steps" / "00000000000000000000.json"
-    text = manifest.read_bytes()
-    manifest.write_bytes(text.replace(b'"step"', b'"stex"', 1))
+    text = zstandard.ZstdDecompressor().decompress(manifest.read_bytes())  # format 3: framed
+    manifest.write_bytes(zstandard.ZstdCompressor().compress(text.replace(b'"step"', b'"stex"', 1)))
     with pytest.raises(tpde.FormatError, match="step 0"):
         tpde.Checkpointer(url).load(0)
 

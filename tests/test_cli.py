@@ -75,6 +75,9 @@ def test_info_reports_each_tensor(run, capsys) -> None:
     assert tensors["frozen"]["codec"] == "same" and tensors["frozen"]["stored_bytes"] == 0
     code, out, _ = call(capsys, "info", run, "--json")  # no --step: the latest
     assert code == 0 and json.loads(out)["step"] == tpde.Checkpointer(run).latest()
+    assert json.loads(out)["at_rest"]["total_bytes"] == sum(
+        os.path.getsize(p) for p in glob.glob(f"{run}/**/*", recursive=True) if os.path.isfile(p))
+    assert "at rest:" in call(capsys, "info", run)[1]
 
 
 def test_restore_writes_plain_torch_and_safetensors_files(run, tmp_path, capsys) -> None:

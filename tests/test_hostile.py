@@ -105,3 +105,38 @@ def test_fuzz_campaign_lets_only_tpde_errors_escape() -> None:
     assert r["failures"] == []
     for kind in ("manifest", "lie", "elias", "zstd", "entry"):
         assert r["counts"].get(f"{kind} refused", 0) > 100, r["counts"]
+
+
+FRAMED = open(os.path.join(GOLDEN, "chain-v3", "steps", f"{3:020d}.json"), "rb").read()
+
+
+@given(st.integers(0, len(FRAMED) - 1), st.integers(1, 255))
+def test_a_damaged_framed_manifest_is_refused_or_reads_as_it_was(at: int, xor: int) -> None:
+    """A flipped bit that the zstd decoder never uses (padding) changes nothing; any other is
+    refused: never a different manifest."""
+    damaged = bytearray(FRAMED)
+    damaged[at] ^= xor
+    try:
+        got = manifest.parse(bytes(damaged), step=3)
+    except FormatError:
+        return
+    assert manifest.plain(bytes(damaged)) == manifest.plain(FRAMED)
+    assert got == manifest.parse(FRAMED, step=3)
+
+
+def test_framed_manifests_are_bounded_and_must_be_format_3() -> None:
+    import zstandard
+
+    assert manifest.parse(FRAMED, step=3).format == 3
+    huge = zstandard.ZstdCompressor(write_content_size=True).compress(
+        b" " * (manifest.MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(FormatError, match="cap"):
+        manifest.parse(huge)  # refused from its header, before anything is decompressed
+    old = zstandard.ZstdCompressor(write_content_size=True).compress(RAW)  # a format 1 body
+    with pytest.raises(FormatError, match="format 1"):
+        manifest.parse(old, step=1)
+
+
+def test_a_number_damaged_into_infinity_is_a_format_error() -> None:
+    with pytest.raises(FormatError, match="not valid tpde JSON"):
+        manifest.parse(RAW.replace(b'"blob_size":', b'"blob_size":1e999,"x":', 1), step=1)

@@ -124,8 +124,10 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
         "ratio": round(r.raw_bytes / r.stored_bytes, 3) if r.stored_bytes else None,
     } for r in m.records]
+    rest = chain.at_rest()
     if args.json:
-        print(json.dumps({"run": chain.url, **_step_row(m), "tensors": tensors}))
+        print(json.dumps({"run": chain.url, **_step_row(m), "tensors": tensors,
+                          "at_rest": rest.as_dict()}))
         return 0
     table = Table(title=f"{chain.url} step {m.step} "
                         f"({'keyframe' if m.keyframe else f'delta against {m.parent}'})")
@@ -139,6 +141,7 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
                       "" if t["ref"] is None else str(t["ref"]), f"{t['density']:.2%}",
                       _mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x")
     _out().print(table)
+    print(_at_rest_line(rest))
     return 0
 
 

@@ -1,8 +1,11 @@
 """The step manifest: the small JSON object whose appearance commits a step.
 
-It is compact JSON (keys in insertion order, which the checkpoint's own dicts need) carrying a BLAKE2b digest of its own body, so a
-flipped bit anywhere in it is detected; tensor bytes are covered by each record's hash of the
-restored words.  ``parse`` validates every field before anything is allocated from it.
+It is compact JSON (keys in insertion order, which the checkpoint's own dicts need) carrying a
+BLAKE2b digest of its own body, so a flipped bit anywhere in it is detected; tensor bytes are
+covered by each record's hash of the restored words. From format 3 it is stored as one zstd
+frame: its record lists repeat the same keys for every tensor and compress about tenfold, and a
+run holds one manifest per step. ``parse`` validates every field before anything is allocated
+from it.
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import zstandard
 
 from . import codec, dtypes, frames
 from .errors import FormatError
 
-#: The newest format this tpde reads. Steps are written as format 1 unless they hold pieces (2)
-#: or were re-based into a new blob (3); older readers so keep reading every other step.
+#: The newest format this tpde reads and the one it writes: zstd-framed manifests that may name
+#: an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2 with pieces)
+#: are read as before.
 FORMAT = 3
 PIECES_FORMAT = 2
-REBASED_FORMAT = 3
+FRAMED_FORMAT = 3
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
 DIGEST_SIZE = 16
@@ -144,28 +150,55 @@ class Manifest:
             if r["start"] is None:
                 del r["start"]
         canon = _canonical(body)
-        return _canonical({"body": body, "blake2b": content_hash(canon)})
+        text = _canonical({"body": body, "blake2b": content_hash(canon)})
+        if self.format < FRAMED_FORMAT:
+            return text
+        return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
 
 
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def parse(data: bytes, *, step: int | None = None) -> Manifest:
-    """Parse and check a manifest; anything malformed raises ``FormatError``."""
+def plain(data: bytes, *, step: int | None = None) -> bytes:
+    """A manifest's JSON: ``data`` itself, or what its zstd frame holds (format 3 on), bounded
+    by the size cap before anything is allocated."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise FormatError(f"manifest is {len(data)} bytes, above the {MAX_MANIFEST_BYTES} cap",
                           step=step)
+    if not data.startswith(ZSTD_MAGIC):
+        return data
+    try:
+        size = zstandard.get_frame_parameters(data).content_size
+        if not 0 < size <= MAX_MANIFEST_BYTES:
+            raise FormatError(f"manifest frame declares {size} bytes, outside the "
+                              f"{MAX_MANIFEST_BYTES} cap", step=step)
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=size)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"manifest frame cannot be decoded ({exc}; damaged)", step=step) from None
+    if len(out) != size:
+        raise FormatError("manifest frame decoded to another size than it declares", step=step)
+    return out
+
+
+def parse(data: bytes, *, step: int | None = None) -> Manifest:
+    """Parse and check a manifest; anything malformed raises ``FormatError``."""
+    framed, size = data.startswith(ZSTD_MAGIC), len(data)
+    data = plain(data, step=step)
     try:
         outer = json.loads(data)
         body, digest = outer["body"], outer["blake2b"]
+        # A damaged number may parse as infinity, which the canonical form refuses.
+        canon = _canonical(body)
     except (ValueError, KeyError, TypeError, RecursionError):
         raise FormatError("manifest is not valid tpde JSON (truncated or damaged)", step=step) from None
-    if content_hash(_canonical(body)) != digest:
+    if content_hash(canon) != digest:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
         m = _build(body, step)
-        m.__dict__["_size"] = len(data)
+        if framed and m.format < FRAMED_FORMAT:
+            raise FormatError(f"format {m.format} manifest stored as a zstd frame", step=step)
+        m.__dict__["_size"] = size
         return m
     except FormatError:
         raise
@@ -191,7 +224,7 @@ def _build(b: dict[str, Any], step: int | None) -> Manifest:
         records=[_record(r, b) for r in b["records"]], format=b["format"],
         origin=None if b.get("origin") is None else str(b["origin"]),
     )
-    if m.origin is not None and m.format < REBASED_FORMAT:
+    if m.origin is not None and m.format < FRAMED_FORMAT:
         raise FormatError(f"format {m.format} manifest names an origin blob", step=step)
     if step is not None and m.step != step:
         raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)

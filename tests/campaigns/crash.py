@@ -1,4 +1,5 @@
-"""Kill a real save (or remove + gc) with SIGKILL before each of its I/O operations in turn.
+"""Kill a real save (or remove + gc, which re-bases) with SIGKILL before each of its I/O
+operations in turn.
 
 After every kill: each step committed before it restores bit-exactly, ``verify`` passes, a
 half-written step is invisible, ``gc`` removes the leftovers, and the next writer continues.
@@ -94,7 +95,8 @@ def campaign(make_url: Callable[[], tuple[str, dict | None]], *, steps: int = 4,
     for action in actions:
         for kill_at in range(1, limit + 1):
             url, options = make_url()
-            expected = build(url, options, steps)
+            # Deltas all the way (keyframe_every=8): removing steps 1 and 2 re-bases step 3.
+            expected = build(url, options, steps, keyframe_every=8)
             child = ctx.Process(target=_child, args=(action, url, options, kill_at, steps))
             child.start()
             child.join(120)

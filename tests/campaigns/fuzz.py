@@ -42,7 +42,7 @@ from tpde import elias, entry, frames, manifest
 from tpde.chain import Chain
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
-CHAINS = ("chain-v1", "chain-v2")
+CHAINS = ("chain-v1", "chain-v2", "chain-v3")
 SLOW_S = 10.0
 
 
@@ -114,7 +114,7 @@ class Targets:
 
     def lie(self, rng: random.Random) -> None:
         name, step, raw = rng.choice(self.manifests)
-        body = copy.deepcopy(json.loads(raw)["body"])
+        body = copy.deepcopy(json.loads(manifest.plain(raw))["body"])
         path = rng.choice(_paths(body))
         node = body
         for key in path[:-1]:

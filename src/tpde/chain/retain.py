@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .. import codec, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
-from ..manifest import REBASED_FORMAT, Manifest, Record
+from ..manifest import FORMAT, Manifest, Record
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name
 from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
                    readers_of, record_depth)
@@ -99,7 +99,7 @@ class Retainer(Writer):
             raise
         self._replace(old, self._summed(dataclasses.replace(
             old, blob=blob_rel, blob_size=writer.size, origin=old.id,
-            format=max(old.format, REBASED_FORMAT),
+            format=FORMAT,
             records=[new_records.get(r.name, r) for r in old.records])))
 
     def _summed(self, m: Manifest) -> Manifest:
@@ -121,11 +121,15 @@ class Retainer(Writer):
         out = []
         for r, framed in zip(keep, self._fetch(old, keep)):
             out.append((r, _sections(r, framed)))
+        held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
             at, key = self._lineage(r.name, old.step)[0]
-            framed = self._fetch(self.manifest(at), [key])[0]
-            out.append((dataclasses.replace(r, codec="key", ref=None, residual=None, count=0,
-                                            hash=key.hash), _sections(key, framed)))
+            held.setdefault(at, []).append((r, key))
+        for at, pairs in held.items():
+            for (r, key), framed in zip(pairs, self._fetch(self.manifest(at),
+                                                           [k for _, k in pairs])):
+                out.append((dataclasses.replace(r, codec="key", ref=None, residual=None,
+                                                count=0, hash=key.hash), _sections(key, framed)))
         if recode:
             words = self.materialize(old.step, [r.name for r in recode])
             against: dict[int, list[str]] = {}

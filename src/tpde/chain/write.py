@@ -13,7 +13,7 @@ import torch
 
 from .. import codec, dtypes, frames, tree
 from ..errors import StepExistsError, TPDEError
-from ..manifest import PIECES_FORMAT, Manifest, Record, SectionRef, content_hash, parse
+from ..manifest import Manifest, Record, SectionRef, content_hash, parse
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
 from .plan import Candidate, Piece, keyed_at, pieces, plan_keys
@@ -156,7 +156,6 @@ class Writer(Reader):
             parent=None if self_contained else prev_m.step, blob=blob_rel,
             blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
             records=records,
-            format=PIECES_FORMAT if any(r.start is not None for r in records) else 1,
         )
         m.seconds = time.perf_counter() - started
         m = self.commit(m)
