@@ -246,14 +246,13 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  info.stored_bytes / 1e6, report.ratio, stall_ms, report.write_seconds)
         if replaced is not None:  # save_last: the step the old entry named may now be free
             self._collect(ckpt, folder, name)
-        else:
-            self._log_at_rest(ckpt)
+        elif info.run_bytes is not None:
+            self._log_at_rest(ckpt, info.run_bytes)
 
-    def _log_at_rest(self, ckpt: Checkpointer) -> None:
+    def _log_at_rest(self, ckpt: Checkpointer, held: int) -> None:
         """The folder's bytes at rest beside the tensor bytes that ``TorchCheckpointIO`` would
         hold for the same checkpoints (a lower bound of its files: pickling adds a little)."""
         chain = ckpt.chain
-        held = chain.at_rest().total
         plain = sum(chain.manifest(s).raw_bytes for s in chain.steps())
         log.info("tpde: %s holds %.1f MB at rest for %d checkpoints; TorchCheckpointIO would "
                  "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, len(chain.steps()),
@@ -290,7 +289,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         log.info("tpde: %s replaced or removed; hid steps %s, re-based %s in %.2f s, "
                  "purged %s", name, hidden or "none", report.rebased_steps or "none",
                  report.rebase_seconds, report.purged_steps + swept.purged_steps or "none")
-        self._log_at_rest(ckpt)
+        self._log_at_rest(ckpt, ckpt.chain.at_rest().total)
 
     def _run(self, job: Callable[[], None], what: str) -> None:
         if not self.async_save:

@@ -328,3 +328,10 @@ def test_a_forked_child_restores_after_its_parent_did(tmp_path) -> None:
     assert tpde.Checkpointer(run).load(1)["w"][0] == 1  # the parent's threads now exist
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_load_in_child, (run, 1)).get(timeout=60) == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("margin", [0, -0.5, 1.01, float("nan")])
+def test_a_key_margin_that_could_store_deltas_larger_than_keyframes_is_refused(tmp_path,
+                                                                               margin) -> None:
+    with pytest.raises(ValueError, match="key_margin"):
+        tpde.Checkpointer(str(tmp_path / "r"), key_margin=margin)

@@ -131,13 +131,16 @@ class Checkpointer:
     """
 
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 storage_options: dict[str, Any] | None = None, level: int | None = frames.DEFAULT_LEVEL,
+                 storage_options: dict[str, Any] | None = None,
+                 level: int | None = frames.DEFAULT_LEVEL,
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
                  key_margin: float = 0.95, lease_seconds: float = DEFAULT_LEASE_SECONDS,
                  takeover: bool = False, reference: str = "host",
                  max_inflight_bytes: int = 256 << 20) -> None:
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be >= 1")
+        if not 0 < key_margin <= 1:  # above 1 a delta could be stored larger than a keyframe
+            raise ValueError("key_margin must be in (0, 1]")
         check_reference(reference)
         self.keep_reference = reference == "host"
         self.max_inflight_bytes = max_inflight_bytes
