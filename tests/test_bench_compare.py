@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_same, training_state
+import tpde
+from helpers import assert_same, decode_depths, training_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import compare  # noqa: E402
@@ -51,7 +52,30 @@ def test_every_contender_restores_every_step_bit_exactly(index: int, tmp_path) -
     reader = make() if not isinstance(c, contenders.DCP) else c  # DCP loads into known structure
     for step in reversed(range(len(states))):
         assert_same(reader.load(str(tmp_path), step), states[step])
-    assert 0 <= c.worst_step(str(tmp_path), len(states)) < len(states)
+    assert c.worst_step(str(tmp_path), list(range(len(states)))) in range(len(states))
+
+
+@pytest.mark.parametrize("index", range(len(contenders.all_contenders(compare.BEST_LEVEL))))
+def test_every_contender_keeps_what_a_retention_policy_keeps(index: int, tmp_path) -> None:
+    """What workload G replays: after a removal the kept steps restore bit-exactly."""
+    make = contenders.all_contenders(compare.BEST_LEVEL)[index]
+    c = make()
+    if c.needs:
+        pytest.importorskip(c.needs)
+    states = chain()
+    for step, state in enumerate(states):
+        c.save(str(tmp_path), step, state)
+        if step == 2:
+            c.remove(str(tmp_path), 1)
+    c.close(str(tmp_path))
+    reader = make() if not isinstance(c, contenders.DCP) else c
+    for step in (3, 2, 0):
+        assert_same(reader.load(str(tmp_path), step), states[step])
+    assert c.worst_step(str(tmp_path), [0, 2, 3]) in (0, 2, 3)
+    if isinstance(c, contenders.TPDE):  # re-based away: nothing holds step 1 any more
+        assert 1 not in tpde.Checkpointer(os.path.join(str(tmp_path), "run")).chain.committed()
+    elif not isinstance(c, contenders.ZipNNDelta):  # its later deltas read step 1: it stays
+        assert not any(f"{1:06d}" in name for name in os.listdir(tmp_path))
 
 
 def test_tpde_worst_step_is_the_deepest_delta(tmp_path) -> None:
@@ -59,8 +83,11 @@ def test_tpde_worst_step_is_the_deepest_delta(tmp_path) -> None:
     for step, state in enumerate(chain(6)):
         c.save(str(tmp_path), step, state)
     c.close(str(tmp_path))
-    assert c.worst_step(str(tmp_path), 6) == 5  # keyframes 0 and 3; 2 and 5 are two deep
-    assert c.details(str(tmp_path))["keyframes"] == [0, 3]
+    run = tpde.Checkpointer(os.path.join(str(tmp_path), "run")).chain
+    deepest = max(range(6), key=lambda s: (max(decode_depths(run, s).values()), s))
+    assert c.worst_step(str(tmp_path), list(range(6))) == deepest
+    assert c.details(str(tmp_path))["keyframes"] == [s for s in range(6) if all(
+        r.ref is None for r in run.manifest(s).records)]
 
 
 def test_the_round_trip_check_names_what_differs() -> None:

@@ -9,6 +9,7 @@ included), by wrapping the store's write calls.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -96,7 +97,9 @@ def run(folder: str, make_io: Callable[[], Any], options: dict[str, Any]
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkeypatch) -> None:
+def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkeypatch,
+                                                        caplog) -> None:
+    caplog.set_level(logging.INFO, logger="tpde.lightning")
     options = CONFIGS[config]
     torch_dir, tpde_dir = str(tmp_path / "torch"), str(tmp_path / "tpde")
     torch_peak, tpde_peak = Peak(torch_dir), Peak(tpde_dir)
@@ -131,3 +134,6 @@ def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkey
     assert tpde_end <= 0.85 * torch_end
     assert tpde_peak.value <= torch_peak.value
     assert tpde.Checkpointer(os.path.join(tpde_dir, ".tpde")).verify() == []
+    # Each save's log states the folder's bytes at rest beside TorchCheckpointIO's.
+    said = [r.getMessage() for r in caplog.records if "at rest" in r.getMessage()]
+    assert said and all("TorchCheckpointIO would hold" in m for m in said)
