@@ -90,11 +90,11 @@ class Run:
         assert rest.total == on_disk(self.url)
         ref = self.ck._reference.step if self.ck._reference else None
         # Hidden steps hold bytes only as the writer's reference: nothing else is kept.
-        assert set(rest.hidden or {}) <= {ref}, rest.as_dict()
+        assert set(rest.hidden) <= {ref}, rest.as_dict()
         manifests = sum(os.path.getsize(os.path.join(self.url, "steps", f"{s:020d}.json"))
                         for s in self.expected)
         bound = sum(self.cost[s] for s in self.expected) + manifests + rest.other \
-            + sum((rest.hidden or {}).values())
+            + sum(rest.hidden.values())
         assert rest.total <= bound, (rest.as_dict(), bound)
 
 

@@ -93,7 +93,7 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
 def _at_rest_line(rest: AtRest) -> str:
     """What the run holds in its store, and why beyond its visible steps."""
     parts = [f"at rest: {_mb(rest.total)} ({_mb(rest.visible)} in visible steps"]
-    for h in rest.as_dict()["hidden_steps"]:  # type: ignore[union-attr]
+    for h in rest.as_dict()["hidden_steps"]:
         why = (f"read by steps {h['needed_by']}" if h["needed_by"]
                else "kept as the writer's reference, or until `tpde gc`")
         parts.append(f"hidden step {h['step']}: {_mb(h['bytes'])}, {why}")

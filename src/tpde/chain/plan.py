@@ -8,8 +8,8 @@ executors (``write``, ``read``, ``retain``) carry the plans out.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from .. import tree
 from ..manifest import Manifest, Record
@@ -102,7 +102,7 @@ def plan_keys(candidates: Sequence[Candidate], keyframe_every: int) -> set[str]:
 
 
 # ---------------------------------------------------------------- lineages
-def holder(manifests: Mapping[int, Manifest], step: int, rec: Record) -> int:
+def holder(step: int, rec: Record) -> int:
     """The step whose record holds ``rec``'s data (an unchanged record points there)."""
     return rec.ref if rec.codec == "same" and rec.ref is not None else step
 
@@ -188,7 +188,7 @@ def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int]
 
 
 def _held_as_key(manifests: Mapping[int, Manifest], step: int, rec: Record) -> bool:
-    at = holder(manifests, step, rec)
+    at = holder(step, rec)
     m = manifests.get(at)
     data = m.record(rec.name) if m is not None else None
     return data is not None and data.codec == "key"
@@ -206,21 +206,20 @@ class AtRest:
     """
 
     visible: int = 0
-    hidden: dict[int, int] | None = None
-    needed_by: dict[int, list[int]] | None = None
+    hidden: dict[int, int] = field(default_factory=dict)
+    needed_by: dict[int, list[int]] = field(default_factory=dict)
     leftovers: int = 0
     other: int = 0
 
     @property
     def total(self) -> int:
-        return self.visible + sum((self.hidden or {}).values()) + self.leftovers + self.other
+        return self.visible + sum(self.hidden.values()) + self.leftovers + self.other
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> dict[str, Any]:
         return {"total_bytes": self.total, "visible_bytes": self.visible,
-                "hidden_bytes": sum((self.hidden or {}).values()),
-                "hidden_steps": [{"step": s, "bytes": b,
-                                  "needed_by": (self.needed_by or {}).get(s, [])}
-                                 for s, b in sorted((self.hidden or {}).items())],
+                "hidden_bytes": sum(self.hidden.values()),
+                "hidden_steps": [{"step": s, "bytes": b, "needed_by": self.needed_by.get(s, [])}
+                                 for s, b in sorted(self.hidden.items())],
                 "leftover_bytes": self.leftovers, "other_bytes": self.other}
 
 

@@ -195,7 +195,7 @@ class Retainer(Writer):
         visible = set(self.steps())
         lazy = self.lazy()  # a damaged manifest's files count as leftovers, not as an error
         manifests = {s: m for s in lazy if (m := lazy.get(s)) is not None}
-        out = AtRest(hidden={}, needed_by={})
+        out = AtRest()
         owned: set[str] = set()
         for s, m in manifests.items():
             mine = [p for p in (f"{STEPS}/{name(s)}.json", m.blob) if p in files]
@@ -204,9 +204,9 @@ class Retainer(Writer):
             if s in visible:
                 out.visible += size
             else:
-                out.hidden[s] = size  # type: ignore[index]
+                out.hidden[s] = size
         readers = readers_of(manifests, visible)
-        out.needed_by = {s: readers.get(s, []) for s in out.hidden}  # type: ignore[union-attr]
+        out.needed_by = {s: readers.get(s, []) for s in out.hidden}
         for path, size in files.items():
             if path in owned:
                 continue
