@@ -39,36 +39,38 @@ def chain(steps: int = 4) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("index", range(len(contenders.all_contenders(compare.BEST_LEVEL))))
-def test_every_contender_restores_every_step_bit_exactly(index: int, tmp_path) -> None:
+CONTENDERS = range(len(contenders.all_contenders(compare.BEST_LEVEL)))
+
+
+def replay(index: int, folder: str, removed_after: dict[int, int]
+           ) -> tuple[contenders.Contender, contenders.Contender, list[dict]]:
+    """Save ``chain()`` with contender ``index``, removing step ``removed_after[s]`` after saving
+    step ``s``; the writer, a fresh reader, and the states."""
     make = contenders.all_contenders(compare.BEST_LEVEL)[index]
     c = make()
     if c.needs:
         pytest.importorskip(c.needs)
     states = chain()
     for step, state in enumerate(states):
-        c.save(str(tmp_path), step, state)
-    c.close(str(tmp_path))
-    reader = make() if not isinstance(c, contenders.DCP) else c  # DCP loads into known structure
+        c.save(folder, step, state)
+        if step in removed_after:
+            c.remove(folder, removed_after[step])
+    c.close(folder)
+    return c, make() if not isinstance(c, contenders.DCP) else c, states  # DCP: known structure
+
+
+@pytest.mark.parametrize("index", CONTENDERS)
+def test_every_contender_restores_every_step_bit_exactly(index: int, tmp_path) -> None:
+    c, reader, states = replay(index, str(tmp_path), {})
     for step in reversed(range(len(states))):
         assert_same(reader.load(str(tmp_path), step), states[step])
     assert c.worst_step(str(tmp_path), list(range(len(states)))) in range(len(states))
 
 
-@pytest.mark.parametrize("index", range(len(contenders.all_contenders(compare.BEST_LEVEL))))
+@pytest.mark.parametrize("index", CONTENDERS)
 def test_every_contender_keeps_what_a_retention_policy_keeps(index: int, tmp_path) -> None:
     """What workload G replays: after a removal the kept steps restore bit-exactly."""
-    make = contenders.all_contenders(compare.BEST_LEVEL)[index]
-    c = make()
-    if c.needs:
-        pytest.importorskip(c.needs)
-    states = chain()
-    for step, state in enumerate(states):
-        c.save(str(tmp_path), step, state)
-        if step == 2:
-            c.remove(str(tmp_path), 1)
-    c.close(str(tmp_path))
-    reader = make() if not isinstance(c, contenders.DCP) else c
+    c, reader, states = replay(index, str(tmp_path), {2: 1})
     for step in (3, 2, 0):
         assert_same(reader.load(str(tmp_path), step), states[step])
     assert c.worst_step(str(tmp_path), [0, 2, 3]) in (0, 2, 3)
