@@ -25,7 +25,6 @@ import torch
 from tpde import entry as entries
 from tpde import frames
 from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, check_reference, snapshot
-from tpde.chain import GcReport
 from tpde.errors import UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.store import Store
@@ -282,13 +281,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
         """Hide the steps no entry names any more and free what nothing needs."""
         hidden = entries.orphans(ckpt.chain, folder, self.storage_options, self._seen)
-        # Re-bases the steps that read from the hidden ones and frees them; then leftovers.
-        report = ckpt.remove(*hidden) if hidden else GcReport()
-        swept = ckpt.gc()
-        self.freed_bytes += report.freed_bytes + swept.freed_bytes
+        # Re-bases the steps that read from the hidden ones, frees them, sweeps leftovers.
+        report = ckpt.remove(*hidden)
+        self.freed_bytes += report.freed_bytes
         log.info("tpde: %s replaced or removed; hid steps %s, re-based %s in %.2f s, "
                  "purged %s", name, hidden or "none", report.rebased_steps or "none",
-                 report.rebase_seconds, report.purged_steps + swept.purged_steps or "none")
+                 report.rebase_seconds, report.purged_steps or "none")
         self._log_at_rest(ckpt, ckpt.chain.at_rest().total)
 
     def _run(self, job: Callable[[], None], what: str) -> None:

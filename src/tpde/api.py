@@ -212,12 +212,12 @@ class Checkpointer:
 
     def remove(self, *steps: int) -> GcReport:
         """Hide ``steps`` and free their bytes: the steps that read from them are re-based
-        first (rewritten to read from kept steps only), so every other step stays restorable."""
+        first (rewritten to read from kept steps only), so every other step stays restorable.
+        Then, as ``gc`` does, leftovers of crashed saves older than an hour go too."""
         self._writing()
         for step in steps:
             self.chain.remove(step)
-        return self.chain.collect(keep=self._keep(), settings=self.settings,
-                                  keyframe_every=self.keyframe_every)
+        return self.gc()
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
         """Re-base and free what no visible step needs, keeping this writer's reference, and

@@ -19,6 +19,20 @@ def name(step: int) -> str:
     return f"{step:020d}"
 
 
+def numbered(files: Iterable[tuple[str, int]], suffix: str = "") -> dict[int, int]:
+    """Step number -> size of the listed files named ``<step><suffix>``."""
+    out = {}
+    for path, size in files:
+        stem = path.rsplit("/", 1)[-1]
+        if suffix:
+            if not stem.endswith(suffix):
+                continue
+            stem = stem[: -len(suffix)]
+        if stem.isdigit():
+            out[int(stem)] = size
+    return out
+
+
 def manifest_path(step: int) -> str:
     return f"{STEPS}/{name(step)}.json"
 
@@ -63,16 +77,7 @@ class ChainBase:
         self._known_run = False
 
     def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
-        out = {}
-        for e in self.store.list(prefix):
-            stem = e.path.rsplit("/", 1)[-1]
-            if suffix:
-                if not stem.endswith(suffix):
-                    continue
-                stem = stem[: -len(suffix)]
-            if stem.isdigit():
-                out[int(stem)] = e.size
-        return out
+        return numbered(((e.path, e.size) for e in self.store.list(prefix)), suffix)
 
     def committed(self) -> list[int]:
         """Every step with a manifest, hidden ones included."""

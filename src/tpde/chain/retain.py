@@ -18,7 +18,7 @@ from typing import Iterable
 from .. import codec, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
 from ..manifest import FORMAT, Manifest, Record
-from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name
+from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name, numbered
 from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
                    readers_of, record_depth)
 from .write import Writer, put_sections
@@ -192,9 +192,13 @@ class Retainer(Writer):
         self.require_run()
         files = {e.path: e.size for prefix in ("", DATA, STEPS, REMOVED)
                  for e in self.store.list(prefix)}
-        visible = set(self.steps())
+        # Committed and hidden steps from this one listing, not listed again.
+        committed = numbered(((p, n) for p, n in files.items() if p.startswith(f"{STEPS}/")),
+                             ".json")
+        hidden = numbered((p, n) for p, n in files.items() if p.startswith(f"{REMOVED}/"))
+        visible = set(committed) - set(hidden)
         lazy = self.lazy()  # a damaged manifest's files count as leftovers, not as an error
-        manifests = {s: m for s in lazy if (m := lazy.get(s)) is not None}
+        manifests = {s: m for s in sorted(committed) if (m := lazy.get(s)) is not None}
         out = AtRest()
         owned: set[str] = set()
         for s, m in manifests.items():
