@@ -3,8 +3,10 @@
 For every workload of ``workloads.py`` and every contender of ``contenders.py``, on this
 machine, in one run: the whole chain is saved to local disk step by step, then the latest step
 and the slowest step to restore are read back by the contender and compared with what was
-saved, bit for bit (a contender that does not give back what it was handed is reported so,
-with the first difference).  Each (workload, contender) runs in a child process of its own, so
+saved, bit for bit; so is every other kept step, untimed (with the tests' own comparison:
+types, key order, strides, ``requires_grad``, tied storage and every bit). A contender that does
+not give back what it was handed is reported so, with the first difference, and gets no ratio
+or speed in any table.  Each (workload, contender) runs in a child process of its own, so
 its peak memory is its own.  Timings are medians over ``--repeats`` runs.
 
 Figures: stored bytes and ratio against ``torch.save``; save MB/s (all steps' raw bytes, as
@@ -39,8 +41,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import contenders  # noqa: E402
+from helpers import difference  # noqa: E402  (the tests' own bit-exact comparison)
 from report import workload_table  # noqa: E402
 import workloads  # noqa: E402
 from tpde import codec, dtypes, tree  # noqa: E402
@@ -50,37 +54,6 @@ BEST_LEVEL = 9
 
 
 # ------------------------------------------------------------------ comparing states
-def difference(a: Any, b: Any, path: str = "") -> str | None:
-    """Where ``a`` (restored) differs from ``b`` (saved): dtype, shape, any bit, or a value."""
-    if isinstance(b, torch.Tensor):
-        if not isinstance(a, torch.Tensor):
-            return f"{path}: {type(a).__name__} instead of a tensor"
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{path}: {a.dtype}{list(a.shape)} instead of {b.dtype}{list(b.shape)}"
-        bits = (lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8))
-        return None if torch.equal(bits(a), bits(b)) else f"{path}: different bits"
-    if isinstance(b, dict):
-        if not isinstance(a, dict) or list(a) != list(b):
-            return f"{path}: keys differ"
-        if getattr(a, "_metadata", None) != getattr(b, "_metadata", None):
-            return f"{path}: _metadata differs"
-        for k in b:
-            found = difference(a[k], b[k], f"{path}/{k}")
-            if found:
-                return found
-        return None
-    if isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            return f"{path}: {type(a).__name__} of {len(a) if hasattr(a, '__len__') else '?'} " \
-                   f"instead of {type(b).__name__} of {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            found = difference(x, y, f"{path}/{i}")
-            if found:
-                return found
-        return None
-    return None if type(a) is type(b) and a == b else f"{path}: {a!r} instead of {b!r}"
-
-
 def touch(state: Any) -> None:
     """Reads one byte of every page of every tensor, so lazily mapped restores pay their I/O."""
     if isinstance(state, torch.Tensor):
@@ -191,11 +164,13 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
                     touch(restored)
                     out[key].append(time.perf_counter() - started)
                     out["peak_rss_restore"] = max(out["peak_rss_restore"], _peak_since(base))
-                    if repeat == 0:
-                        found = difference(restored, states[target])
+                    del restored
+                if repeat == 0:  # every kept step, untimed: a contender must give back each
+                    for target in kept:
+                        found = difference(c.load(folder, target), states[target])
                         if found:
                             out["status"] = f"not exact at step {target}: {found}"[:300]
-                    del restored
+                            break
                 if repeat == 0:
                     out["details"] = c.details(folder)
             finally:
@@ -218,7 +193,8 @@ def measure(workload: str, which: int, quick: bool, repeats: int) -> dict:
 
 # ------------------------------------------------------------------ the suite
 def summarize(r: dict) -> dict:
-    if "save_s" not in r or not r["save_s"] or r["status"].startswith("failed"):
+    """Ratio and speeds, for a contender that gave back every step exactly; none otherwise."""
+    if r["status"] != "ok" or not r.get("save_s"):
         return r
     # What the plain format holds at the end: every kept checkpoint's torch.save file.
     total = sum(r["raw_bytes"][k] for k in r["kept"])

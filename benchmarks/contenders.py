@@ -278,17 +278,22 @@ class DCP(Contender):
         return state
 
 
-def _template(x: Any) -> Any:
-    """What a DCP user loads into: the same structure, tensors allocated, other values unset."""
+def _template(x: Any, tied: dict | None = None) -> Any:
+    """What a DCP user loads into: the same structure, tensors allocated (tied ones once, as a
+    model with tied weights gives them), other values unset."""
+    tied = {} if tied is None else tied
     if isinstance(x, torch.Tensor):
-        return torch.empty_like(x)
+        view = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride())
+        if view not in tied:
+            tied[view] = torch.empty_like(x)
+        return tied[view]
     if isinstance(x, dict):
-        out = type(x)((k, _template(v)) for k, v in x.items())
+        out = type(x)((k, _template(v, tied)) for k, v in x.items())
         if hasattr(x, "_metadata"):
             out._metadata = x._metadata  # as in a module's own state_dict()
         return out
     if isinstance(x, list):
-        return [_template(v) for v in x]
+        return [_template(v, tied) for v in x]
     return None
 
 

@@ -11,7 +11,6 @@ tensors. Triton ships with the CUDA builds of torch; ``available()`` says whethe
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any
 
@@ -117,7 +116,7 @@ _interpreting = threading.Lock()
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """Launch ``kernel``; under Triton's interpreter launches queue (it is not thread-safe)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if type(kernel).__name__ == "InterpretedFunction":  # decorated with TRITON_INTERPRET=1
         with _interpreting:
             kernel[grid](*args, **meta)
     else:

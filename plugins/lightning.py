@@ -373,6 +373,12 @@ def _guard_for(callback_base: type) -> type:
                     "torch.distributed.checkpoint and never calls CheckpointIO, so "
                     "TPDECheckpointIO would store nothing; use "
                     "FSDPStrategy(state_dict_type='full'), or drop the plugin")
+            if getattr(trainer.strategy, "_save_distributed_checkpoint", False):
+                raise UnsupportedError(
+                    f"{strategy}(save_distributed_checkpoint=True) writes checkpoints with "
+                    "torch.distributed.checkpoint and never calls CheckpointIO, so "
+                    "TPDECheckpointIO would store nothing; use "
+                    f"{strategy}(save_distributed_checkpoint=False), or drop the plugin")
 
     return TPDEStrategyGuard
 

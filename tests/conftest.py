@@ -9,33 +9,55 @@ from typing import Any, Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", derandomize=True, deadline=None, database=None,
+# Reproducible everywhere, with or without CI=true: the same examples on every run and machine.
+# HYPOTHESIS_PROFILE=explore draws fresh examples each run (and keeps a database of failures).
+settings.register_profile("default", derandomize=True, deadline=None, database=None,
                           max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", deadline=None, max_examples=60,
+settings.register_profile("explore", deadline=None, max_examples=200,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 for var, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}.items():
     os.environ.setdefault(var, value)
 
 
+#: Process-wide settings that Lightning, seeding or a test may change; put back after each test.
+_ENVIRONMENT = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG", "HF_HUB_OFFLINE",
+                "TRITON_INTERPRET", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK",
+                "NODE_RANK")
+
+
 @pytest.fixture(autouse=True)
-def _torch_determinism_restored() -> Iterator[None]:
-    """``Trainer(deterministic=True)`` switches torch's deterministic algorithms on for the whole
-    process; a later test must not run under it (some kernels refuse sub-byte dtypes then)."""
+def _global_state_restored() -> Iterator[None]:
+    """No test runs under state an earlier one left behind: ``Trainer(deterministic=True)``
+    switches torch's deterministic algorithms on for the whole process (some kernels then
+    refuse sub-byte dtypes), ``seed_everything`` sets environment variables and every RNG."""
+    import random
+
+    import numpy as np
     import torch
 
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    environment = {k: os.environ.get(k) for k in _ENVIRONMENT}
+    rngs = random.getstate(), np.random.get_state(), torch.get_rng_state()
     yield
     torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+    for key, value in environment.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    random.setstate(rngs[0])
+    np.random.set_state(rngs[1])
+    torch.set_rng_state(rngs[2])
 
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with one bucket; yields fsspec storage options."""
-    pytest.importorskip("s3fs")
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs and moto: pip install 'tpde[dev]'")
     from campaigns.s3 import moto_server
 
     with moto_server() as options:

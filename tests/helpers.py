@@ -8,28 +8,65 @@ import torch
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    found = difference(a, b, path)
+    assert found is None, found
+
+
+def difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where ``a`` and ``b`` differ, or None: types (exactly), key order and ``_metadata``,
+    tensors' dtype, shape, strides, ``requires_grad`` and every bit, and which tensors share
+    storage (tied weights) on either side."""
+    return _difference(a, b, path, ({}, {}))
+
+
+def _difference(a: Any, b: Any, path: str, ties: tuple[dict, dict]) -> str | None:
+    if type(a) is not type(b):
+        return f"{path}: {type(a).__name__} instead of {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), path
-        assert a.requires_grad == b.requires_grad, path
-        assert torch.equal(_bits(a), _bits(b)), f"{path}: values differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), path
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}/{i}")
-    elif isinstance(a, float) and a != a:
-        assert b != b, path
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return f"{path}: {a.dtype}{list(a.shape)} instead of {b.dtype}{list(b.shape)}"
+        if a.stride() != b.stride():
+            return f"{path}: strides {a.stride()} instead of {b.stride()}"
+        if a.requires_grad != b.requires_grad:
+            return f"{path}: requires_grad {a.requires_grad} instead of {b.requires_grad}"
+        if not torch.equal(_bits(a), _bits(b)):
+            return f"{path}: different bits"
+        shared = [_tie(t, path, seen) for t, seen in zip((a, b), ties)]
+        if shared[0] != shared[1]:
+            return (f"{path}: shares storage with {shared[0] or 'nothing'} instead of "
+                    f"{shared[1] or 'nothing'}")
+        return None
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return f"{path}: keys {list(a)} instead of {list(b)}"
+        if getattr(a, "_metadata", None) != getattr(b, "_metadata", None):
+            return f"{path}: _metadata differs"
+        return next((d for k in a if (d := _difference(a[k], b[k], f"{path}/{k}", ties))),
+                    None)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{path}: {type(a).__name__} of {len(a)} instead of {len(b)}"
+        return next((d for i, (x, y) in enumerate(zip(a, b))
+                     if (d := _difference(x, y, f"{path}/{i}", ties))), None)
+    if isinstance(a, float) and a != a:
+        return None if b != b else f"{path}: nan instead of {b!r}"
+    return None if a == b else f"{path}: {a!r} instead of {b!r}"
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _tie(t: torch.Tensor, path: str, seen: dict[int, str]) -> str | None:
+    """The first path seen with ``t``'s storage (None: its own), recording ``t``'s."""
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0 or t.device.type == "meta":
+        return None
+    key = storage.data_ptr()
+    if key in seen:
+        return seen[key]
+    seen[key] = path
+    return None
 
 
 def training_state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict:

@@ -49,7 +49,7 @@ def replay(index: int, folder: str, removed_after: dict[int, int]
     make = contenders.all_contenders(compare.BEST_LEVEL)[index]
     c = make()
     if c.needs:
-        pytest.importorskip(c.needs)
+        pytest.importorskip(c.needs, reason=f"{c.name} needs {c.needs}: pip install 'tpde[dev]'")
     states = chain()
     for step, state in enumerate(states):
         c.save(folder, step, state)
@@ -93,13 +93,24 @@ def test_tpde_worst_step_is_the_deepest_delta(tmp_path) -> None:
 
 
 def test_the_round_trip_check_names_what_differs() -> None:
+    """compare.py judges contenders with the tests' own comparison; each kind of difference a
+    restore could have is named."""
     a = chain(1)[0]
     b = {**a, "bf16": a["bf16"].clone()}
     b["bf16"].view(torch.int16)[3] ^= 1
     assert compare.difference(b, a) == "/bf16: different bits"
     assert "float32" in compare.difference({**a, "bf16": a["bf16"].float()}, a)
-    assert "list of 3 instead of tuple" in compare.difference({**a, "note": list(a["note"])}, a)
-    assert compare.difference({**a, "model": dict(a["model"])}, a) == "/model: _metadata differs"
+    assert compare.difference({**a, "note": list(a["note"])}, a) == "/note: list instead of tuple"
+    assert compare.difference({**a, "model": dict(a["model"])}, a) == \
+        "/model: dict instead of OrderedDict"
+    meta = type(a["model"])(a["model"])  # an OrderedDict without the state dict's _metadata
+    assert compare.difference({**a, "model": meta}, a) == "/model: _metadata differs"
+    assert "strides" in compare.difference({**a, "bf16": a["bf16"].t().contiguous().t()}, a)
+    assert "requires_grad" in compare.difference(
+        {**a, "bf16": a["bf16"].clone().requires_grad_()}, a)
+    untied = copy.deepcopy(a)
+    untied["model"]["1.weight"] = untied["model"]["1.weight"].clone()  # the tied head
+    assert "shares storage with /model/0.weight instead of nothing" in compare.difference(a, untied)
     assert compare.difference(a, chain(1)[0]) is None
 
 

@@ -96,12 +96,45 @@ def test_non_contiguous_and_channels_last_words_are_the_logical_elements() -> No
     round_trip(x[:, 1:], None)
 
 
-def test_large_tensor_uses_many_frames_and_sampled_choice() -> None:
+def test_large_tensor_uses_many_frames() -> None:
     g = torch.Generator().manual_seed(3)
     ref = torch.randn(600_000, generator=g)
     new = ref + 1e-6 * torch.randn(600_000, generator=g)
     enc = round_trip(new, ref, codec.Settings(chunk=64 * 1024))
     assert enc.codec == "dense" and len(enc.sections["values"].frames) > 30
+
+
+def _large_pair(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    ref = torch.randn(700_000, generator=g)
+    if kind == "drift":  # Adam-like: every element moves a little
+        return ref * (1 + 1e-4 * torch.randn(ref.shape, generator=g)), ref
+    if kind == "sparse":  # an embedding: a few rows touched
+        new = ref.clone()
+        new[torch.randint(0, ref.numel(), (2000,), generator=g)] += 1
+        return new, ref
+    if kind == "ulp":  # bf16 weights nudged by one unit in the last place
+        ref = ref.bfloat16()
+        return (ref.view(torch.int16) + 1).view(torch.bfloat16), ref
+    return torch.randn(ref.shape, generator=g), ref  # unrelated: a keyframe is best
+
+
+@pytest.mark.parametrize("kind", ["drift", "sparse", "ulp", "random"])
+def test_sampled_choice_agrees_with_the_exact_choice(kind: str, monkeypatch) -> None:
+    """Above EXACT_CHOICE_BYTES the codec is picked from samples; picking it from full encodes
+    of every option gives the answer to check it against."""
+    new, ref = _large_pair(kind)
+    assert new.numel() * new.element_size() > codec.EXACT_CHOICE_BYTES
+    sampled_calls = []
+    sample_index = codec._sample_index
+    monkeypatch.setattr(codec, "_sample_index",
+                        lambda *a: sampled_calls.append(1) or sample_index(*a))
+    sampled = round_trip(new, ref, codec.Settings())
+    assert sampled_calls, "the choice was not made on samples"
+    monkeypatch.setattr(codec, "EXACT_CHOICE_BYTES", 1 << 62)
+    exact = round_trip(new, ref, codec.Settings())
+    assert (sampled.codec, sampled.residual) == (exact.codec, exact.residual)
+    assert sampled.stored == exact.stored
 
 
 @given(st.binary(max_size=300_000), st.sampled_from([4096, 65536]))

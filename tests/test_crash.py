@@ -22,8 +22,9 @@ def test_every_kill_point_on_s3(s3_server) -> None:
 
 @pytest.mark.slow
 def test_kill_points_in_a_lightning_run(tmp_path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
     from campaigns.lightning_crash import campaign
 
-    tried, total = campaign(str(tmp_path), points=6)
-    assert tried == 6 and total > 20  # saves, entry writes, removals and gc, first to last
+    stats = campaign(str(tmp_path), points=6)
+    # Saves, entry writes, removals and gc, first to last; some kills cut a save short.
+    assert stats["kills"] == 6 and stats["operations"] > 20 and stats["inside_a_save"] >= 2

@@ -14,7 +14,7 @@ from helpers import assert_same, mixed_codec_chain
 from tpde import frames
 from tpde.errors import FormatError, TPDEError
 
-nvcomp = pytest.importorskip("tpde.kernels.nvcomp")
+nvcomp = pytest.importorskip("tpde.kernels.nvcomp", reason="tpde.kernels.nvcomp does not import here")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not nvcomp.available(), reason="needs a CUDA device and nvidia-nvcomp"),

@@ -6,14 +6,13 @@ import os
 import pickle
 import subprocess
 import sys
-from types import SimpleNamespace
 from typing import Any
 
 import fsspec
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -239,7 +238,7 @@ def test_wrapped_by_async_checkpoint_io(tmp_path) -> None:
 
 
 def test_pytorch_lightning_imports(tmp_path) -> None:
-    pl = pytest.importorskip("pytorch_lightning")
+    pl = pytest.importorskip("pytorch_lightning", reason="the pytorch_lightning package is not installed")
     from pytorch_lightning.callbacks import ModelCheckpoint as PLCheckpoint
 
     class Module(pl.LightningModule):
@@ -263,22 +262,40 @@ def test_pytorch_lightning_imports(tmp_path) -> None:
                 module.state_dict())
 
 
-def test_sharded_fsdp_and_deepspeed_are_refused() -> None:
-    from lightning.pytorch.strategies import FSDPStrategy
+def _refused_fit(strategy: Any, match: str, **trainer: Any) -> None:
+    """A real Trainer with the plugin and ``strategy`` refuses to fit, before any step."""
+    model = CharLM(dim=32, layers=1)
+    fitter = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, strategy=strategy,
+                       plugins=[tpde.TPDECheckpointIO()], **trainer)
+    with pytest.raises(tpde.UnsupportedError, match=match):
+        fitter.fit(model, loaders(windows=64, batch=16)[0])
+    assert fitter.global_step == 0
 
-    from tpde.plugins.lightning import lightning_callbacks
 
-    (guard,) = lightning_callbacks()
-    # FSDP needs a GPU to build a Trainer; the guard reads only the trainer's strategy.
-    sharded = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="sharded",
-                                                    checkpoint_io=tpde.TPDECheckpointIO()))
-    with pytest.raises(tpde.UnsupportedError, match="state_dict_type='full'"):
-        guard.setup(sharded, None, "fit")
-    full = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="full",
-                                                 checkpoint_io=tpde.TPDECheckpointIO()))
-    guard.setup(full, None, "fit")
-    other = SimpleNamespace(strategy=FSDPStrategy(state_dict_type="sharded"))
-    guard.setup(other, None, "fit")  # not using tpde: none of its business
+def test_model_parallel_distributed_checkpoints_are_refused(monkeypatch) -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from campaigns.s3 import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    try:
+        _refused_fit(ModelParallelStrategy(), r"save_distributed_checkpoint=False",
+                     accelerator="cpu", devices=1)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_deepspeed_is_refused() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("Lightning runs DeepSpeed on CUDA GPUs only (on a CPU it refuses it itself)")
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install deepspeed")
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    _refused_fit(DeepSpeedStrategy(), "DeepSpeed writes its own checkpoint folders",
+                 accelerator="cuda", devices=1)
 
 
 @pytest.mark.gpu
@@ -308,26 +325,6 @@ def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:
         assert cli(["verify", str(tmp_path / name), "-q"]) == 0
 
 
-def test_killed_mid_save_leaves_committed_checkpoints(tmp_path) -> None:
-    script = f"""
-import os, sys
-sys.path.insert(0, {os.path.join(os.path.dirname(__file__))!r})
-from test_lightning import fit
-import tpde
-plugin = tpde.TPDECheckpointIO()
-trainer, model, cb = fit({str(tmp_path)!r}, plugin, epochs=2)
-trainer.save_checkpoint({str(tmp_path / "in-flight.ckpt")!r})
-os._exit(9)  # like SIGKILL: no teardown, no atexit, the background save cut short
-"""
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 9, run.stderr[-2000:]
-    for name in files(fsspec.filesystem("file"), str(tmp_path)):
-        assert cli(["verify", str(tmp_path / name), "-q"]) == 0
-    _, resumed, _ = fit(str(tmp_path), tpde.TPDECheckpointIO(), epochs=3, ckpt_path="last")
-    assert resumed.global_step == 12
-
-
 def test_ddp_two_processes(tmp_path) -> None:
     script = os.path.join(os.path.dirname(__file__), "lightning_ddp.py")
     for epochs in (2, 3):
@@ -339,7 +336,9 @@ def test_ddp_two_processes(tmp_path) -> None:
     assert set(done) == {0, 1}  # both ranks loaded the checkpoint and trained on
     assert cli(["verify", str(tmp_path / "ckpt"), "-q"]) == 0
     writer_steps = tpde.Checkpointer(str(tmp_path / "ckpt" / ".tpde")).steps()
+    # Both ranks resumed at the 8th step (4 per epoch on each rank), only rank 0 wrote.
     assert writer_steps and all(e in done[0] for e in ("resumed=8", "delta=True"))
+    assert all(e in done[1] for e in ("resumed=8", "saved=0"))
 
 
 @pytest.mark.gpu
@@ -385,8 +384,9 @@ def test_mount_a_lightning_trained_model(tmp_path) -> None:
     from quickstart import TinyGPT
 
     plugin = tpde.TPDECheckpointIO()
-    _, model, cb = fit(str(tmp_path), plugin, save_top_k=-1)
+    _, model, cb = fit(str(tmp_path / "tpde"), plugin, save_top_k=-1)
     plugin.teardown()
+    fit(str(tmp_path / "torch"), TorchCheckpointIO(), save_top_k=-1)  # the same run, plain files
     x = torch.randint(0, 256, (4, 32))
     first = min((r for r in plugin.reports), key=lambda r: r.step)
     latest = max((r for r in plugin.reports), key=lambda r: r.step)
@@ -397,7 +397,8 @@ def test_mount_a_lightning_trained_model(tmp_path) -> None:
     try:
         for report in (first, latest):
             dense = CharLM(dim=32, layers=1)
-            dense.load_state_dict(plugin.load_checkpoint(report.path)["state_dict"])
+            plain = tmp_path / "torch" / os.path.basename(report.path)
+            dense.load_state_dict(torch.load(plain, weights_only=False)["state_dict"])
             dense.eval()
             with torch.no_grad():
                 expected = dense.model(x)
@@ -431,8 +432,8 @@ def test_damaged_entries_are_errors_never_wrong_checkpoints(tmp_path) -> None:
             continue
         try:
             got = tpde.load_checkpoint(str(copy))
-        except (tpde.TPDEError, pickle.UnpicklingError, RuntimeError, EOFError):
-            seen["detected"] += 1  # an entry too damaged to recognise reads as a broken torch file
+        except tpde.TPDEError:  # the README's promise: nothing else escapes
+            seen["detected"] += 1
             continue
         finally:
             copy.unlink(missing_ok=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402

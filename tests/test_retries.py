@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import time
+import sys
+import threading
 import uuid
+from typing import Iterator
 
 import fsspec
 import pytest
@@ -19,6 +21,9 @@ class Failing(MemoryFileSystem):
 
     protocol = "failing"
     faults: list[str] = []
+    #: Set when the test ends: a stalled write then lands (after its deadline passed).
+    release = threading.Event()
+    stalled: list[threading.Thread] = []
 
     def _fault(self, op: str) -> str | None:
         if self.faults and self.faults[0].startswith(op):
@@ -29,8 +34,9 @@ class Failing(MemoryFileSystem):
         fault = self._fault("put")
         if fault == "put-500":
             raise OSError(500, "InternalError (injected)")
-        if fault == "put-stall":
-            time.sleep(2)  # a server that stops answering for longer than the deadline
+        if fault == "put-stall":  # a server that stops answering for longer than the deadline
+            self.stalled.append(threading.current_thread())
+            self.release.wait(10)
         super().pipe_file(path, value, **kwargs)
         if fault == "put-lost":
             raise TimeoutError("reply lost after the write landed (injected)")
@@ -42,11 +48,21 @@ class Failing(MemoryFileSystem):
 
 
 @pytest.fixture()
-def failing(monkeypatch) -> str:
+def failing(monkeypatch) -> Iterator[str]:
+    """A run in the failing store; afterwards the protocol is unregistered, the writes that
+    stalled past their deadline have landed, and the run's bytes are gone from memory."""
     monkeypatch.setattr(store, "BACKOFF_S", 0.001)
     fsspec.register_implementation("failing", Failing, clobber=True)
-    Failing.faults = []
-    return f"failing://{uuid.uuid4().hex[:10]}"
+    Failing.faults, Failing.stalled = [], []
+    Failing.release.clear()
+    url = f"failing://{uuid.uuid4().hex[:10]}"
+    yield url
+    Failing.release.set()
+    for thread in Failing.stalled:
+        thread.join()
+    sys.modules["fsspec.registry"]._registry.pop("failing", None)  # no public unregister
+    for key in [k for k in MemoryFileSystem.store if k.startswith(url)]:
+        del MemoryFileSystem.store[key]
 
 
 def test_transient_failures_are_retried(failing) -> None:
@@ -84,7 +100,7 @@ def test_a_server_that_stops_answering_is_a_bounded_failure(failing, monkeypatch
     ck.save(1, {"w": torch.zeros(10)})
     assert tpde.Checkpointer(failing).steps() == [0, 1]
     Failing.faults = ["put-stall"] * store.RETRIES
-    started = time.monotonic()
+    # Every attempt gives up at its deadline: the stalled writes only land when the test ends.
     with pytest.raises(tpde.StoreError, match="may still complete"):
         ck.save(2, {"w": torch.full((10,), 2.0)})
-    assert time.monotonic() - started < 30  # every attempt gave up at its deadline
+    assert Failing.faults == [] and len(Failing.stalled) == 1 + store.RETRIES

@@ -155,7 +155,14 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
         fs, p = filesystem(path, storage_options)
         if step is None and not chain.is_run() and fs.isfile(p):
             with fs.open(p, "rb") as f:  # a plain checkpoint
-                return torch.load(f, map_location=map_location, weights_only=not trusted)
+                try:
+                    return torch.load(f, map_location=map_location, weights_only=not trusted)
+                except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, ...
+                    raise tree.load_error(
+                        exc, f"tpde.load_checkpoint({path!r})", trusted,
+                        "neither a tpde checkpoint entry nor a file torch.load can read; if "
+                        "TPDECheckpointIO wrote it, the entry is damaged: load another "
+                        "checkpoint of the run (tpde ls on its folder lists them)") from None
         step = step if step is not None else chain.latest()
     else:
         chain = Chain(path, storage_options)

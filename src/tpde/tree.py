@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from . import dtypes
-from .errors import FormatError, UnsafeContentError, UnsupportedError
+from .errors import FormatError, TPDEError, UnsafeContentError, UnsupportedError
 
 MapLocation = str | torch.device | dict[str, str] | Callable[[str], str] | None
 
@@ -243,17 +244,39 @@ def _hashable(key: Any) -> Any:
 
 
 def _unpickle(data: str, trusted: bool, where: str) -> Any:
-    raw = io.BytesIO(base64.b64decode(data))
     try:
-        return torch.load(raw, weights_only=not trusted, map_location="cpu")
+        return torch.load(io.BytesIO(base64.b64decode(data)), weights_only=not trusted,
+                          map_location="cpu")
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... here
-        first = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        if trusted or "weights only" not in first.lower():
-            raise FormatError(f"{where}: a stored Python object cannot be read (damaged?): "
-                              f"{first}") from None
-        raise UnsafeContentError(
-            f"{where}: restoring needs to unpickle an object outside torch's weights-only "
-            f"allowlist ({first}). If you trust this chain, pass "
-            "trusted=True (CLI: --trusted), or allowlist the type with "
-            "torch.serialization.add_safe_globals."
-        ) from None
+        raise load_error(exc, where, trusted, "a stored Python object cannot be read "
+                         "(damaged?)") from None
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_BLOCKED = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_NOT_FOUND = re.compile(r"Can't get attribute '([\w.]+)' on <module '([\w.]+)'")
+
+
+def load_error(exc: BaseException, where: str, trusted: bool, damaged: str) -> TPDEError:
+    """The error to raise for a ``torch.load`` that failed: a type the weights-only unpickler
+    blocks, a class that cannot be imported, or (anything else) ``damaged``."""
+    text = _ANSI.sub("", str(exc))  # torch bolds parts of its explanation with escape codes
+    blocked = _BLOCKED.search(text)
+    if blocked and not trusted:
+        return UnsafeContentError(
+            f"{where}: restoring needs to unpickle {blocked[1]}, which is outside torch's "
+            "weights-only allowlist. If you trust where it came from, pass trusted=True "
+            "(CLI: --trusted), or allowlist the type with "
+            f"torch.serialization.add_safe_globals([{blocked[1]}])")
+    missing = _NOT_FOUND.search(text)
+    if missing or isinstance(exc, ModuleNotFoundError):
+        cls, module = missing.groups() if missing else ("a class", getattr(exc, "name", "?"))
+        hint = (" A class defined in a training script lives in '__main__' only while that "
+                "script runs: move it into a module, or load from within the script."
+                if module == "__main__" else "")
+        return UnsupportedError(
+            f"{where}: the stored object is of class {cls} from module '{module}', which must "
+            f"be importable to restore it.{hint}")
+    detail = text.split("WeightsUnpickler error:")[-1].strip()  # past torch's general advice
+    first = (detail.splitlines() or [type(exc).__name__])[0][:200]
+    return FormatError(f"{where}: {damaged}: {first}")

@@ -14,8 +14,9 @@ bytes, truncations, duplicated runs):
 * ``zstd``: a section's zstd frames, one of them mutated;
 * ``entry``: checkpoint entries (the zip archive a Lightning checkpoint path holds).
 
-Per case the outcome is "accepted" or "refused" (a ``TPDEError``); anything else, or a case
-slower than 10 s, is a failure. The process's peak resident memory is reported: a mutation
+Per case the outcome is "accepted" or "refused" (a ``TPDEError``); anything else is a failure,
+and so is a case that runs past a watchdog of 120 s (a hang, or a bomb decoding for minutes;
+this is no timing: the slowest case is reported, and cases take about 0.1 s at most). The process's peak resident memory is reported: a mutation
 that declared a huge size and got it allocated would show there.
 """
 
@@ -43,7 +44,8 @@ from tpde.chain import Chain
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 CHAINS = ("chain-v1", "chain-v2", "chain-v3")
-SLOW_S = 10.0
+#: A watchdog against hangs, generous enough for any machine under load; not a timing.
+WATCHDOG_S = 120.0
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -166,8 +168,8 @@ def campaign(cases: int, seed: int = 0) -> dict[str, Any]:
             failures.append(f"{kind} case {case}: {type(exc).__name__}: {exc}")
         took = time.perf_counter() - started
         slowest = max(slowest, took)
-        if took > SLOW_S:
-            failures.append(f"{kind} case {case} took {took:.1f} s")
+        if took > WATCHDOG_S:
+            failures.append(f"{kind} case {case} ran past the watchdog: {took:.1f} s")
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"cases": cases, "counts": dict(stats), "failures": failures,
             "slowest_s": slowest, "peak_rss_mb": peak_mb}

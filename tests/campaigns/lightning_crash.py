@@ -1,10 +1,16 @@
 """Kill a Lightning run that checkpoints with TPDECheckpointIO at each I/O operation in turn.
 
 The run resumes from ``last`` with ``ModelCheckpoint(save_top_k=1, save_last=True)``, so its
-background worker saves, replaces ``last.ckpt`` and removes old checkpoints. After every
-SIGKILL: every checkpoint file left loads and holds exactly the state a run without the kill
-saved at that global step, ``tpde verify`` passes on each, the run resumes from ``last`` and
-finishes, and ``tpde gc`` leaves no unreferenced data.
+background worker saves, replaces ``last.ckpt`` and removes old checkpoints. The killed process
+keeps a journal of the checkpoints it committed and of the removals it began. After every
+SIGKILL:
+
+- every checkpoint committed before the kill and not being removed is there, names the global
+  step it was saved at, and holds exactly the state a run without the kill saved at that step;
+- every checkpoint file left loads bit-exactly and ``tpde verify`` passes on it;
+- the run resumes from ``last`` at the step ``last`` names, and its weights after two more
+  epochs are bit-identical to those of a run resumed from the same step that was never killed;
+- ``tpde gc`` leaves no unreferenced data.
 
     python tests/campaigns/lightning_crash.py [--points 60]     # prints the kill points tried
 """
@@ -17,14 +23,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 
+JOURNAL = "journal.log"  # beside the checkpoints; not a .ckpt, so Lightning ignores it
 
-def fit(folder: str, epochs: int, *, top_k: int, resume: bool) -> Any:
+
+def fit(folder: str, epochs: int, *, top_k: int, ckpt_path: str | None = None
+        ) -> tuple[Any, Any, int]:
+    """A seeded, deterministic run; returns (plugin, model, the global step it started at)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning_train import CharLM, loaders
@@ -33,92 +44,170 @@ def fit(folder: str, epochs: int, *, top_k: int, resume: bool) -> Any:
 
     L.seed_everything(0, verbose=False)
     model = CharLM(dim=32, layers=1)
+    started: list[int] = []
+
+    class Start(L.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            started.append(trainer.global_step)
+
     callback = ModelCheckpoint(dirpath=folder, save_top_k=top_k, monitor="step", mode="max",
                                save_last=True, every_n_train_steps=2)
     plugin = tpde.TPDECheckpointIO(keyframe_every=3)
-    trainer = L.Trainer(max_epochs=epochs, plugins=[plugin], callbacks=[callback], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
+    trainer = L.Trainer(max_epochs=epochs, plugins=[plugin], callbacks=[callback, Start()],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
                         deterministic=True, num_sanity_val_steps=0)
-    last = os.path.join(folder, "last.ckpt")
-    trainer.fit(model, loaders(windows=64, batch=16)[0],
-                ckpt_path=last if resume and os.path.exists(last) else None)
-    return plugin
+    trainer.fit(model, loaders(windows=64, batch=16)[0], ckpt_path=ckpt_path)
+    plugin.teardown()
+    return plugin, model, started[0]
 
 
 def child(folder: str, kill_at: int) -> None:
     """Resume the run and SIGKILL this process at the ``kill_at``-th store operation.
 
-    With ``kill_at`` 0 nothing is killed and the number of operations is printed.
+    With ``kill_at`` 0 nothing is killed and the number of operations is printed. The journal
+    is appended with unbuffered writes, which a SIGKILL cannot take back.
     """
     from campaigns.crash import arm
+    from tpde.plugins.lightning import TPDECheckpointIO
 
+    journal = open(os.path.join(folder, JOURNAL), "a", buffering=1)
+    write, remove = TPDECheckpointIO._write, TPDECheckpointIO._remove
+
+    def journaled_write(self: Any, snap: Any, path: str, options: Any, meta: dict,
+                        stall_ms: float) -> None:
+        name = os.path.basename(path)
+        journal.write(f"saving {name}\n")
+        write(self, snap, path, options, meta, stall_ms)
+        journal.write(f"saved {name} {meta['global_step']}\n")
+
+    def journaled_remove(self: Any, path: str) -> None:
+        journal.write(f"removing {os.path.basename(path)}\n")
+        remove(self, path)
+
+    TPDECheckpointIO._write, TPDECheckpointIO._remove = journaled_write, journaled_remove
     count = arm(kill_at)
-    fit(folder, 3, top_k=1, resume=True).teardown()
+    last = os.path.join(folder, "last.ckpt")
+    fit(folder, 3, top_k=1, ckpt_path=last)
     print(f"operations={count[0]}")
 
 
-def states_by_step(folder: str) -> dict[int, Any]:
+@dataclass
+class Reference:
+    """The run without kills: every checkpoint it saved, and the weights after resuming."""
+
+    root: str
+    paths: dict[int, str] = field(default_factory=dict)  # global step -> a checkpoint of it
+    states: dict[int, Any] = field(default_factory=dict)
+    finals: dict[int, Any] = field(default_factory=dict)  # resumed at step -> final weights
+
+    def final(self, step: int) -> Any:
+        """Weights after resuming from this run's checkpoint at ``step``, never killed."""
+        if step not in self.finals:
+            folder = os.path.join(self.root, f"resumed-at-{step}")
+            self.finals[step] = fit(folder, 4, top_k=1, ckpt_path=self.paths[step])[1].state_dict()
+        return self.finals[step]
+
+
+def checkpoints(folder: str) -> dict[str, tuple[int, Any]]:
+    """Every .ckpt file in ``folder``: its global step and state dict."""
     from tpde import entry
 
     out = {}
-    for name in os.listdir(folder):
+    for name in sorted(os.listdir(folder)):
         if name.endswith(".ckpt"):
             state = entry.load_checkpoint(os.path.join(folder, name))
-            out[state["global_step"]] = state["state_dict"]
+            out[name] = state["global_step"], state["state_dict"]
     return out
 
 
-def check(folder: str, reference: dict[int, Any]) -> None:
+def committed(folder: str, before: dict[str, int]) -> tuple[dict[str, int], set[str]]:
+    """The checkpoints the journal says were committed (and not being removed) at the kill,
+    and the names whose next save had begun (they may name the newer step already)."""
+    out, saving = dict(before), set()
+    with open(os.path.join(folder, JOURNAL)) as journal:
+        for line in journal:
+            words = line.split()
+            if words[0] == "saving":
+                saving.add(words[1])
+            elif words[0] == "saved":
+                out[words[1]] = int(words[2])
+                saving.discard(words[1])
+            elif words[0] == "removing":
+                out.pop(words[1], None)
+    return out, saving
+
+
+def in_flight(folder: str) -> bool:
+    """Whether the kill fell inside a save: the journal's last save began but never ended."""
+    with open(os.path.join(folder, JOURNAL)) as journal:
+        saves = [line.split()[0] for line in journal if line.startswith("sav")]
+    return bool(saves) and saves[-1] == "saving"
+
+
+def check(folder: str, before: dict[str, int], reference: Reference) -> None:
     from helpers import assert_same
-    from tpde import entry
     from tpde.cli import main as cli
 
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".ckpt"):
-            continue
-        path = os.path.join(folder, name)
-        state = entry.load_checkpoint(path)
-        assert_same(state["state_dict"], reference[state["global_step"]], name)
-        assert cli(["verify", path, "-q"]) == 0, f"verify failed on {name}"
-    plugin = fit(folder, 4, top_k=1, resume=True)  # the next run resumes and finishes
-    plugin.teardown()
-    assert cli(["gc", folder, "--grace", "0", "-q"]) == 0
     import tpde
 
+    left = checkpoints(folder)
+    kept, saving = committed(folder, before)
+    for name, step in kept.items():
+        assert name in left, f"{name} (step {step}) was committed before the kill and is gone"
+        now = left[name][0]
+        assert now == step or (name in saving and now > step), \
+            f"{name} names step {now}, committed as {step}"
+    for name, (step, state) in left.items():
+        assert_same(state, reference.states[step], name)
+        assert cli(["verify", os.path.join(folder, name), "-q"]) == 0, f"verify failed: {name}"
+    resumed_at = left["last.ckpt"][0]
+    _, model, started = fit(folder, 4, top_k=1, ckpt_path=os.path.join(folder, "last.ckpt"))
+    assert started == resumed_at, f"resumed at step {started}, last.ckpt is step {resumed_at}"
+    assert_same(model.state_dict(), reference.final(resumed_at), "weights after resuming")
+    assert cli(["gc", folder, "--grace", "0", "-q"]) == 0
     chain = tpde.Checkpointer(os.path.join(folder, ".tpde")).chain
     live = {chain.manifest(s).blob for s in chain.committed()}
-    left = {e.path for e in chain.store.list("data")} - live
-    assert not left, f"gc left unreferenced blobs: {left}"
+    unreferenced = {e.path for e in chain.store.list("data")} - live
+    assert not unreferenced, f"gc left unreferenced blobs: {unreferenced}"
 
 
 def _run_child(folder: str, kill_at: int) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, __file__, "--child", folder, str(kill_at)],
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode in (0, -9), done.stderr[-3000:]
+    expected = -9 if kill_at else 0  # a kill point the run never reached is a failure
+    assert done.returncode == expected, (
+        f"kill point {kill_at}: exit status {done.returncode}, expected {expected}\n"
+        + done.stderr[-3000:])
     return done
 
 
-def campaign(root: str, *, points: int = 60) -> tuple[int, int]:
+def campaign(root: str, *, points: int = 60) -> dict[str, int]:
     """SIGKILL at ``points`` store operations spread evenly over the whole resumed run (the
-    first and the last included). Returns (kill points tried, operations in the run)."""
+    first and the last included). Returns the kills, the operations in the run, and how many
+    kills fell inside a save."""
     template = os.path.join(root, "template")
-    fit(template, 1, top_k=1, resume=False).teardown()
-    full = os.path.join(root, "reference")
+    fit(template, 1, top_k=1)
+    before = {name: step for name, (step, _) in checkpoints(template).items()}
+    reference = Reference(os.path.join(root, "reference"))
+    full = os.path.join(reference.root, "run")
     shutil.copytree(template, full)
-    fit(full, 3, top_k=-1, resume=True).teardown()
-    reference = states_by_step(full)
+    fit(full, 3, top_k=-1, ckpt_path=os.path.join(full, "last.ckpt"))
+    for name, (step, state) in checkpoints(full).items():
+        reference.paths[step], reference.states[step] = os.path.join(full, name), state
     dry = os.path.join(root, "count")
     shutil.copytree(template, dry)
     total = int(_run_child(dry, 0).stdout.rsplit("operations=", 1)[1].split()[0])
     step = max(1, (total - 1) / max(1, points - 1))
     kill_points = sorted({min(total, 1 + round(i * step)) for i in range(points)})
+    inside = 0
     for kill_at in kill_points:
         folder = os.path.join(root, f"kill-{kill_at}")
         shutil.copytree(template, folder)
         _run_child(folder, kill_at)
-        check(folder, reference)
+        inside += in_flight(folder)
+        check(folder, before, reference)
         shutil.rmtree(folder)
-    return len(kill_points), total
+    return {"kills": len(kill_points), "operations": total, "inside_a_save": inside}
 
 
 def main() -> None:
@@ -131,12 +220,13 @@ def main() -> None:
         return
     root = tempfile.mkdtemp()
     try:
-        n, total = campaign(root, points=args.points)
+        stats = campaign(root, points=args.points)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{n} kill points tried among the {total} store operations of a resumed Lightning run "
-          "with TPDECheckpointIO: every checkpoint left loaded bit-exactly and verified, and the "
-          "run resumed from last each time")
+    print(f"{stats['kills']} SIGKILLs among the {stats['operations']} store operations of a "
+          f"resumed Lightning run with TPDECheckpointIO, {stats['inside_a_save']} of them inside "
+          "a save: every committed checkpoint survived bit-exactly and verified, and the run "
+          "resumed from last at its step and matched a run that was never killed")
 
 
 if __name__ == "__main__":

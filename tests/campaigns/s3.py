@@ -9,6 +9,13 @@ import socket
 from typing import Iterator
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def moto_server() -> Iterator[dict]:
     """Yields fsspec storage options for a bucket named ``tpde`` on a fresh moto server."""
@@ -19,9 +26,7 @@ def moto_server() -> Iterator[dict]:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"

