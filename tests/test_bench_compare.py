@@ -114,6 +114,15 @@ def test_the_round_trip_check_names_what_differs() -> None:
     assert compare.difference(a, chain(1)[0]) is None
 
 
+def test_a_contender_that_is_not_exact_gets_no_ratio_or_speed() -> None:
+    measured = {"name": "x", "status": "ok", "save_s": [2.0], "restore_latest_s": [1.0],
+                "restore_worst_s": [1.0], "raw_bytes": [100, 100], "kept": [0, 1],
+                "stored_bytes": 50, "worst_step": 0}
+    assert compare.summarize(measured)["ratio"] == 4.0
+    wrong = compare.summarize({**measured, "status": "not exact at step 0: /w: different bits"})
+    assert not {"ratio", "save_mb_s", "restore_latest_mb_s"} & set(wrong)
+
+
 def test_entropy_estimate_prices_unchanged_and_random_tensors() -> None:
     same = torch.randn(4096)
     assert compare.residual_bits(same, same.clone()) == 0
