@@ -111,7 +111,8 @@ def main(root: str) -> None:
         for step, state in kept[name].items():
             _assert_bit_exact(state, chain.load(step))
         problems = chain.verify()
-        print(f"{name:13s} {len(kept[name]):2d} checkpoints: torch.save {t['torch'] / 1e6:7.2f} MB, "
+        print(f"{name:13s} {len(kept[name]):2d} checkpoints in {os.path.abspath(chain.chain.url)}")
+        print(f"{'':13s} torch.save {t['torch'] / 1e6:7.2f} MB, "
               f"tpde {t['tpde'] / 1e6:6.2f} MB -> {t['torch'] / t['tpde']:.2f}x smaller; "
               f"encode {t['raw'] / 1e6 / t['seconds']:.0f} MB/s; every step restores bit-exactly; "
               f"verify: {'ok' if not problems else problems}")

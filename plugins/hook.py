@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from tpde.api import Checkpointer, StepInfo
+from tpde.errors import StepExistsError
 
 
 class AttachHandle:
@@ -52,7 +53,15 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: str, *
     if every_n_steps < 1:
         raise ValueError("every_n_steps must be >= 1")
     ckpt = checkpointer or Checkpointer(run, **options)
-    if resume and ckpt.latest() is not None:
+    latest = ckpt.latest()
+    if not resume and latest is not None and step <= latest:
+        if checkpointer is None:
+            ckpt.close()
+        raise StepExistsError(
+            f"the run already holds steps up to {latest}, and saving from step {step} would "
+            f"write them again: pass resume=True to continue from step {latest}, or attach "
+            "to a new run", run=ckpt.chain.url)
+    if resume and latest is not None:
         state = ckpt.load(map_location=next(model.parameters()).device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -54,6 +54,14 @@ def _global_state_restored() -> Iterator[None]:
     torch.set_rng_state(rngs[2])
 
 
+@pytest.fixture()
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on."""
+    from campaigns.s3 import free_port as pick
+
+    return pick()
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, Any]]:
     """moto's S3 server on 127.0.0.1 with one bucket; yields fsspec storage options."""

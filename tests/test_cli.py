@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -144,3 +145,56 @@ def test_console_script_help_on_every_command() -> None:
     for command in ("ls", "info", "restore", "verify", "gc"):
         done = subprocess.run([exe, command, "--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "--json" in done.stdout
+
+
+def _trained(tmp_path) -> tuple[str, torch.nn.Module, dict]:
+    """A run in attach()'s layout: the model's weights beside the optimizer state."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(8, 16)).sum().backward()
+    opt.step()
+    state = {"model": net.state_dict(), "optimizer": opt.state_dict(), "step": 3}
+    url = str(tmp_path / "run")
+    with tpde.Checkpointer(url) as ck:
+        ck.save(3, state)
+    return url, net, state
+
+
+def test_safetensors_restore_writes_the_model_weights(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    url, net, state = _trained(tmp_path)
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run([sys.executable, "-m", "tpde.cli", "restore", url, "--format",
+                           "safetensors", "--output", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "leaves out 'optimizer', 'step'" in done.stderr
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    fresh.load_state_dict(load_file(out))  # strict: exactly the keys the model expects
+    assert_same(dict(fresh.state_dict()), dict(net.state_dict()))
+    # Another part on request, with the same comparison against what was saved.
+    part = tmp_path / "optimizer.pt"
+    assert main(["restore", url, "--key", "optimizer", "--output", str(part), "-q"]) == 0
+    assert_same(torch.load(part, weights_only=True), state["optimizer"])
+
+
+def test_load_state_dict_decodes_only_the_model(tmp_path, monkeypatch) -> None:
+    from tpde.chain import Chain
+
+    url, net, _ = _trained(tmp_path)
+    decoded: list[str] = []
+    materialize = Chain.materialize
+
+    def observed(self, step, names=None, **kwargs):
+        decoded.extend(names if names is not None else [r.name for r in self.manifest(step).records])
+        return materialize(self, step, names, **kwargs)
+
+    monkeypatch.setattr(Chain, "materialize", observed)
+    assert_same(tpde.load_state_dict(url), net.state_dict())
+    assert decoded and all(name.startswith("model/") for name in decoded), decoded
+    decoded.clear()
+    fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    assert_same(dict(tpde.load_state_dict(url, model=fresh)), dict(net.state_dict()))
+    assert decoded and all(name.startswith("model/") for name in decoded), decoded

@@ -391,25 +391,19 @@ def test_mount_a_lightning_trained_model(tmp_path) -> None:
     first = min((r for r in plugin.reports), key=lambda r: r.step)
     latest = max((r for r in plugin.reports), key=lambda r: r.step)
     assert first.keyframe and not latest.keyframe
-    # PyTorch skips nn.TransformerEncoderLayer's fused fast path whenever hooks are attached,
-    # as they are on a mounted model; the dense reference computes the same way.
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        for report in (first, latest):
-            dense = CharLM(dim=32, layers=1)
-            plain = tmp_path / "torch" / os.path.basename(report.path)
-            dense.load_state_dict(torch.load(plain, weights_only=False)["state_dict"])
-            dense.eval()
-            with torch.no_grad():
-                expected = dense.model(x)
-            # The whole LightningModule, and its inner network (keys under the "model." prefix).
-            whole = tpde.mount(report.path, model=CharLM(dim=32, layers=1), device="cpu", budget=0)
-            inner = tpde.mount(report.path, model=TinyGPT(32, 1, 64), device="cpu", budget=0)
-            with torch.no_grad():
-                assert torch.equal(whole.model(x), expected)
-                assert torch.equal(inner(x), expected)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(True)
+    for report in (first, latest):  # the dense model on its fused fast path, as by default
+        dense = CharLM(dim=32, layers=1)
+        plain = tmp_path / "torch" / os.path.basename(report.path)
+        dense.load_state_dict(torch.load(plain, weights_only=False)["state_dict"])
+        dense.eval()
+        with torch.no_grad():
+            expected = dense.model(x)
+        # The whole LightningModule, and its inner network (keys under the "model." prefix).
+        whole = tpde.mount(report.path, model=CharLM(dim=32, layers=1), device="cpu", budget=0)
+        inner = tpde.mount(report.path, model=TinyGPT(32, 1, 64), device="cpu", budget=0)
+        with torch.no_grad():
+            assert torch.equal(whole.model(x), expected)
+            assert torch.equal(inner(x), expected)
 
 
 def test_damaged_entries_are_errors_never_wrong_checkpoints(tmp_path) -> None:

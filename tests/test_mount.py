@@ -217,3 +217,41 @@ def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str) -> No
         outcomes["harmless"] += 1
     print(f"mount ({resident}): {outcomes}")
     assert outcomes["detected"] > 30  # the damage was real
+
+
+class CausalLM(torch.nn.Module):
+    """A small language model on nn.TransformerEncoder, as people write them."""
+
+    def __init__(self, vocab: int = 512, dim: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.encoder(self.embed(ids), mask=mask, is_causal=True))
+
+
+def test_a_mounted_transformer_computes_as_the_dense_one_fast_path_included(tmp_path) -> None:
+    torch.manual_seed(0)
+    dense = CausalLM().eval()
+    run = str(tmp_path / "run")
+    with tpde.Checkpointer(run) as ckpt:
+        ckpt.save(0, dense.state_dict())
+    ids = torch.randint(0, 512, (3, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = dense(ids)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            slow = dense(ids)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    assert not torch.equal(slow, expected)  # the fused path computes differently: it matters
+    for budget in (None, 0):
+        model = tpde.mount(run, 0, CausalLM(), device="cpu", budget=budget)
+        with torch.no_grad():
+            assert torch.equal(model(ids), expected)
+            assert torch.equal(model(ids), expected)  # again, from what the first pass left
+        model.tpde_mount.close()

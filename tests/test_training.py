@@ -95,6 +95,10 @@ def test_attach_resume_continues_the_chain_with_a_delta(tmp_path) -> None:
     trained = copy.deepcopy(model.state_dict())
 
     model2, opt2, _ = tiny_lm(2)  # different init: resume must overwrite it
+    # Forgetting resume=True fails here, not inside a later optimizer.step(); nothing changes.
+    with pytest.raises(tpde.StepExistsError, match="resume=True"):
+        tpde.attach(model2, opt2, url, every_n_steps=4)
+    assert tpde.Checkpointer(url).steps() == [4, 8]
     resumed = tpde.attach(model2, opt2, url, every_n_steps=4, resume=True)
     assert resumed.step == 8
     assert_same(trained, model2.state_dict())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from .chain import AtRest, Chain, span_words
 from .errors import TPDEError
 from .lease import Lease
 from .manifest import Manifest
+from .mount import weights_key
 
 err = Console(stderr=True)
 
@@ -33,8 +35,8 @@ def _options(pairs: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"tpde: storage option {pair!r} is not KEY=VALUE")
+        if not sep or not key:
+            raise ValueError(f"storage option {pair!r} is not KEY=VALUE")
         try:
             parsed: Any = json.loads(value)
         except ValueError:
@@ -69,25 +71,65 @@ def _step_row(m: Manifest) -> dict[str, Any]:
 
 def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
     chain.require_run()
-    rows = [_step_row(chain.manifest(s)) for s in chain.steps()]
+    rows, damaged = [], []
+    for s in chain.steps():  # one damaged manifest must not hide the others
+        try:
+            rows.append(_step_row(chain.manifest(s)))
+        except TPDEError as exc:
+            damaged.append({"step": s, "error": exc.detail})
     raw = sum(r["raw_bytes"] for r in rows)
     stored = sum(r["stored_bytes"] for r in rows)
     rest = chain.at_rest()
+    named = None if args.entries is None else _entries(chain, args)
     if args.json:
-        print(json.dumps({"run": chain.url, "steps": rows, "raw_bytes": raw, "stored_bytes": stored,
-                          "ratio": round(raw / max(1, stored), 3), "at_rest": rest.as_dict()}))
-        return 0
-    table = Table(title=f"{chain.url}: {len(rows)} steps")
+        print(json.dumps({"run": chain.url, "steps": rows, "damaged_steps": damaged,
+                          **({} if named is None else {"entries": named}),
+                          "raw_bytes": raw, "stored_bytes": stored,
+                          "ratio": round(raw / max(1, stored), 3),
+                          "at_rest": rest.as_dict()}))
+        return 1 if damaged else 0
+    table = Table(title=f"{chain.url}: {len(rows) + len(damaged)} steps")
     for col in ("step", "kind", "raw", "stored", "ratio", "codecs"):
         table.add_column(col, justify="right" if col in ("step", "raw", "stored", "ratio") else "left")
-    for r in rows:
-        table.add_row(str(r["step"]), "key" if r["keyframe"] else f"delta<-{r['parent']}",
-                      _mb(r["raw_bytes"]), _mb(r["stored_bytes"]), f"{r['ratio']:.2f}x",
+    bad = {d["step"]: d["error"] for d in damaged}
+    hidden = chain.hidden()
+    for r in sorted(rows + damaged, key=lambda r: r["step"]):
+        if r["step"] in bad:
+            table.add_row(str(r["step"]), "DAMAGED", "", "", "", f"manifest: {bad[r['step']]}")
+            continue
+        kind = "key" if r["keyframe"] else f"delta<-{r['parent']}" + (
+            " (hidden)" if r["parent"] in hidden else "")
+        table.add_row(str(r["step"]), kind, _mb(r["raw_bytes"]), _mb(r["stored_bytes"]),
+                      f"{r['ratio']:.2f}x",
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
     _out().print(table)
+    if named is not None:
+        _entries_table(chain, named)
     print(f"total: {_mb(raw)} raw, {_mb(stored)} stored, {raw / max(1, stored):.2f}x")
     print(_at_rest_line(rest))
-    return 0
+    if damaged:
+        print(f"{len(damaged)} step(s) cannot be read: `tpde verify {args.run}` says which steps "
+              "they break and what to do")
+    return 1 if damaged else 0
+
+
+def _entries(chain: Chain, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The checkpoint files of a folder (``TPDECheckpointIO``'s entries) and their steps."""
+    visible = set(chain.steps())
+    return [{"name": name, "epoch": e.meta.get("epoch"), "global_step": e.meta.get("global_step"),
+             "step": e.step, "restores": e.step in visible and chain.manifest(e.step).id == e.blob}
+            for name, e in entries.listing(args.entries, chain, args.options).items()]
+
+
+def _entries_table(chain: Chain, named: list[dict[str, Any]]) -> None:
+    table = Table(title=f"checkpoint files beside {chain.url}")
+    for col in ("file", "epoch", "global_step", "step", "state"):
+        table.add_column(col, justify="left" if col in ("file", "state") else "right")
+    for e in named:
+        table.add_row(e["name"], str(e["epoch"] if e["epoch"] is not None else "-"),
+                      str(e["global_step"] if e["global_step"] is not None else "-"),
+                      str(e["step"]), "ok" if e["restores"] else "its step is gone")
+    _out().print(table)
 
 
 def _at_rest_line(rest: AtRest) -> str:
@@ -97,6 +139,8 @@ def _at_rest_line(rest: AtRest) -> str:
         why = (f"read by steps {h['needed_by']}" if h["needed_by"]
                else "kept as the writer's reference, or until `tpde gc`")
         parts.append(f"hidden step {h['step']}: {_mb(h['bytes'])}, {why}")
+    for d in rest.as_dict()["damaged_steps"]:
+        parts.append(f"damaged step {d['step']}: {_mb(d['bytes'])}")
     if rest.leftovers:
         parts.append(f"{_mb(rest.leftovers)} left by unfinished saves (`tpde gc` deletes them)")
     return "; ".join(parts) + ")"
@@ -145,31 +189,66 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
     return 0
 
 
+def _writable(path: str) -> None:
+    """Fail before any decoding when ``--output`` cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise TPDEError(f"cannot write --output {path!r}: the folder {folder!r} does not exist; "
+                        "create it first")
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise TPDEError(f"cannot write --output {path!r}: "
+                        + ("it is a folder; name a file" if os.path.isdir(path)
+                           else f"the folder {folder!r} is not writable"))
+
+
 def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
+    _writable(args.output)
+    if args.format == "safetensors":
+        _safetensors()
     step = args.step if args.step is not None else chain.latest()
     m = chain.manifest(step)
+    key = args.key
+    if key is None and args.format == "safetensors":
+        key = weights_key(m.skeleton)  # a model's weights, with the keys load_state_dict takes
+    key = key or None  # --key "": the whole checkpoint
+    left = [k for k in tree.keys(m.skeleton) if k != key] if key is not None else []
     with _bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance:
         state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance,
-                              keep_words=False)
+                              keep_words=False, within=key)
     if args.format == "torch":
         torch.save(state, args.output)
     else:
-        _save_safetensors(state, args.output)
+        left += _save_safetensors(state, args.output)
+    if left and not args.json:
+        err.print(f"warning: {args.output} leaves out "
+                  + ", ".join(repr(k) for k in left[:8]) + (", ..." if len(left) > 8 else "")
+                  + (" (not tensors)" if key is None else "")
+                  + "; --key chooses another part, --key '' takes the whole checkpoint",
+                  markup=False, highlight=False, soft_wrap=True)
     if args.json:
         print(json.dumps({"run": chain.url, "step": step, "output": args.output,
-                          "format": args.format, "raw_bytes": m.raw_bytes}))
+                          "format": args.format, "key": key, "left_out": left,
+                          "raw_bytes": m.raw_bytes}))
     else:
         err.print(f"restored step {step} of {chain.url} to {args.output}")
     return 0
 
 
-def _save_safetensors(state: Any, path: str) -> None:
+def _safetensors() -> Any:
     try:
         from safetensors.torch import save_file
     except ImportError:
         raise TPDEError("--format safetensors needs the safetensors package: "
                         "pip install 'tpde[safetensors]'") from None
+    return save_file
+
+
+def _save_safetensors(state: Any, path: str) -> list[str]:
+    """Write the tensors of ``state`` under dotted keys; returns the keys of what is not a
+    tensor (safetensors holds tensors only)."""
+    save_file = _safetensors()
     tensors: dict[str, torch.Tensor] = {}
+    dropped: list[str] = []
 
     def walk(obj: Any, prefix: str) -> None:
         if isinstance(obj, torch.Tensor):
@@ -180,31 +259,81 @@ def _save_safetensors(state: Any, path: str) -> None:
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
                 walk(v, f"{prefix}.{i}" if prefix else str(i))
+        else:
+            dropped.append(prefix)
 
     walk(state, "")
     save_file(tensors, path)
+    return dropped
 
 
 def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
     chain.require_run()
     steps = [args.step] if args.step is not None else chain.steps()
-    total = sum(chain.manifest(s).raw_bytes for s in steps)
+    total = 0
+    for s in steps:
+        try:
+            total += chain.manifest(s).raw_bytes
+        except TPDEError:
+            pass  # verify reports it below, with everything else
     with _bar(total, "verifying", args.quiet) as advance:
         problems = [p for s in steps for p in chain.verify(s, progress=advance)]
+    damaged = sorted({p.needed_by for p in problems if p.step == p.needed_by})
+    depend = sorted({p.needed_by for p in problems} - set(damaged))
+    fine = [s for s in steps if s not in damaged and s not in depend]
     if args.json:
-        print(json.dumps({"run": chain.url, "steps": steps, "ok": not problems,
-                          "problems": [vars(p) for p in problems]}))
-    elif problems:
+        print(json.dumps({"run": chain.url, "steps": steps, "ok": not problems, "fine": fine,
+                          "damaged": damaged, "depend_on_damaged": depend,
+                          "problems": [{k: v for k, v in vars(p).items() if k != "error"}
+                                       for p in problems]}))
+        return 1 if problems else 0
+    if not problems:
+        err.print(f"ok: {len(steps)} step(s) of {chain.url} restore bit-exactly")
+        return 0
+    if args.verbose:
         for p in problems:
             cause = f" (damage at step {p.step})" if p.step != p.needed_by else ""
             err.print(f"BAD step {p.needed_by}{cause}: {p.message}", markup=False,
                       highlight=False, soft_wrap=True)
-    else:
-        err.print(f"ok: {len(steps)} step(s) of {chain.url} restore bit-exactly")
-    return 1 if problems else 0
+    _damage_summary(chain, args.run, problems, fine, damaged, depend)
+    return 1
+
+
+def _steps(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:12]))
+    return f"{len(steps)} ({shown}{', ...' if len(steps) > 12 else ''})" if steps else "none"
+
+
+def _damage_summary(chain: Chain, run: str, problems: list[Any], fine: list[int],
+                    damaged: list[int], depend: list[int]) -> None:
+    """Three groups of steps, the damage behind them, and what a user can do about it."""
+    say = (lambda text: err.print(text, markup=False, highlight=False, soft_wrap=True))
+    say(f"{chain.url}: {len(fine) + len(damaged) + len(depend)} step(s) verified")
+    say(f"  fine: {_steps(fine)}")
+    say(f"  damaged: {_steps(damaged)}")
+    say(f"  depend on a damaged step: {_steps(depend)}")
+    causes: dict[tuple[int, str], set[str]] = {}
+    for p in problems:  # one line per damaged object, naming the tensors it breaks
+        tensors = causes.setdefault((p.step, p.error.detail if p.error else p.message), set())
+        tensors.update([p.tensor] if p.tensor else [])
+    say("damage found:")
+    for (at, detail), tensors in sorted(causes.items())[:8]:
+        names = ", ".join(repr(t) for t in sorted(tensors)[:3]) + (", ..." if len(tensors) > 3
+                                                                  else "")
+        say(f"  step {at}" + (f" ({names})" if tensors else "") + f": {detail}")
+    if len(causes) > 8:
+        say(f"  ... and {len(causes) - 8} more (-v lists every problem, --json gives them all)")
+    say("what to do:")
+    if fine:
+        say(f"  - restore a fine step: tpde restore {run} --step {fine[-1]} --output FILE")
+        say(f"  - go on training from a fine step; or write one as a fresh keyframe that nothing "
+            f"damaged is read from: tpde export {run} --step {fine[-1]} --to NEW_RUN")
+    say("  - if the training job still holds a damaged step's state, save it again")
+    say("  - damage that keeps appearing points at the storage: check its disk or bucket")
 
 
 def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
+    chain.require_run()  # a mistyped path: nothing is written where there is no run
     lease = Lease(chain.store)
     lease.acquire(takeover=args.force)  # gc must not race a live writer's next delta
     hidden: list[int] = []
@@ -248,6 +377,10 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
     return 0
 
 
+STEP_HELP = ("a step number, or in a checkpoint folder the file name of a checkpoint "
+             "(e.g. last.ckpt; `tpde ls FOLDER` lists them)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpde", description="Inspect, restore, verify and clean "
                                 "tpde checkpoint chains in any fsspec location.")
@@ -266,17 +399,22 @@ def parser() -> argparse.ArgumentParser:
 
     command("ls", "List the visible steps with codec mix, raw and stored bytes, ratio.")
     c = command("info", "Per-tensor codec, changed density, bytes and ratio of one step.")
-    c.add_argument("--step", type=int, help="step (default: the entry's, else the latest)")
+    c.add_argument("--step", help=STEP_HELP + " (default: the entry's, else the latest)")
     c = command("restore", "Write a step as a file that plain torch.load (or safetensors) reads.")
-    c.add_argument("--step", type=int, help="step to restore (default: the latest)")
+    c.add_argument("--step", help=STEP_HELP + " (default: the latest)")
     c.add_argument("--output", required=True, help="file to write")
     c.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    c.add_argument("--key", help="write only this top-level part of the checkpoint (default: "
+                   "torch: all of it; safetensors: the model's weights, state_dict or model; "
+                   "'' for all)")
     c.add_argument("--trusted", action="store_true",
                    help="allow unpickling objects outside torch's weights-only allowlist")
-    c = command("verify", "Rebuild steps and check every hash; exit 1 naming each bad tensor.")
-    c.add_argument("--step", type=int, help="one step (default: every visible step)")
+    c = command("verify", "Rebuild steps and check every hash; exit 1 with a summary of the "
+                "damaged steps, the steps that depend on them, and what to do.")
+    c.add_argument("--step", help=STEP_HELP + " (default: every visible step)")
+    c.add_argument("-v", "--verbose", action="store_true", help="print every problem found")
     c = command("export", "Write a step as the keyframe of another run (fast to mount).")
-    c.add_argument("--step", type=int, help="step to export (default: the latest)")
+    c.add_argument("--step", help=STEP_HELP + " (default: the latest)")
     c.add_argument("--to", required=True, help="the run to write it to (new or existing)")
     c = command("gc", "Delete data no visible step needs and report the bytes freed.")
     c.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
@@ -293,15 +431,29 @@ COMMANDS = {"ls": cmd_ls, "info": cmd_info, "restore": cmd_restore, "verify": cm
 def _resolve(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Chain, str | None]:
     """The chain RUN names and, for a checkpoint folder, the folder; an entry sets ``--step``."""
     chain, step, folder = entries.resolve(args.run, options)
-    if step is not None and getattr(args, "step", None) is None:
+    given = getattr(args, "step", None)
+    if given is None:
         args.step = step
+    elif given.lstrip("-").isdigit():
+        args.step = int(given)
+    else:  # a checkpoint file's name
+        named = {} if folder is None else entries.listing(folder, chain, options)
+        if given not in named:
+            raise TPDEError(f"--step {given!r} is neither a step number nor a checkpoint file "
+                            + (f"in {folder!r} (it has: {', '.join(named) or 'none'})"
+                               if folder is not None else "(name the checkpoint folder as RUN)"))
+        args.step = named[given].step
     return chain, folder
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     try:
         args.options = _options(args.storage_option)
+    except ValueError as exc:
+        p.error(str(exc))  # wrong usage: exit status 2
+    try:
         chain, args.entries = _resolve(args, args.options)
         return COMMANDS[args.command](chain, args)
     except TPDEError as exc:

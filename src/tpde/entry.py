@@ -27,9 +27,9 @@ from typing import Any
 import fsspec
 import torch
 
-from . import tree
+from . import store, tree
 from .chain import MARKER, Chain
-from .errors import FormatError, NotARunError, StepNotFoundError, TPDEError
+from .errors import FormatError, NotARunError, StepNotFoundError, StoreError, TPDEError
 
 MEMBER = "archive/tpde-entry.json"
 #: Entries are about a kilobyte; anything larger at a checkpoint path is a plain checkpoint.
@@ -194,15 +194,21 @@ def _version(item: dict[str, Any]) -> Any:
 def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
           seen: Seen | None = None) -> dict[int, str]:
     """Steps of ``chain`` that entries in ``folder_url`` point to (step -> blob)."""
+    return {e.step: e.blob for e in listing(folder_url, chain, storage_options, seen).values()}
+
+
+def listing(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
+            seen: Seen | None = None) -> dict[str, CheckpointEntry]:
+    """The entries in ``folder_url`` that point into ``chain``, by file name."""
     seen = {} if seen is None else seen
     fs, root = filesystem(folder_url, storage_options)
     try:
-        listing = fs.ls(root, detail=True, refresh=True)
+        items = fs.ls(root, detail=True, refresh=True)
     except FileNotFoundError:
         return {}
-    found: dict[int, str] = {}
+    found: dict[str, CheckpointEntry] = {}
     listed = set()
-    for item in listing:
+    for item in items:
         if item.get("type") != "file" or int(item.get("size") or 0) > MAX_ENTRY_BYTES:
             continue
         name = item["name"]
@@ -216,10 +222,10 @@ def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None 
                 continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
         entry = seen[key]
         if entry is not None and _same_chain(url, entry, chain):
-            found[entry.step] = entry.blob
+            found[name.rstrip("/").rsplit("/", 1)[-1]] = entry
     for gone in seen.keys() - listed:  # replaced or removed: forget, so the cache stays small
         del seen[gone]
-    return found
+    return dict(sorted(found.items()))
 
 
 def normalize(url: str) -> str:
@@ -254,7 +260,13 @@ def resolve(target: str, storage_options: dict[str, Any] | None = None
     folder whose entries are the chain's roots (None unless ``target`` is such a folder).
     """
     target = str(target).rstrip("/")
-    if is_entry_folder(target, storage_options):
+    try:
+        folder = is_entry_folder(target, storage_options)
+    except StoreError as exc:  # the first request: name what the user typed, not .tpde
+        if not store.cannot_connect(exc.__cause__):
+            raise
+        raise store.unreachable(target, exc.__cause__) from exc.__cause__
+    if folder:
         return Chain(f"{target}/{CHAIN_DIR}", storage_options), None, target
     chain = Chain(target, storage_options)
     if not chain.is_run() and chain.store.fs.isfile(chain.store.root):

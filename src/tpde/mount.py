@@ -11,6 +11,7 @@ Triton kernels do the rest (``tpde.kernels.backend``). Nothing is ever written t
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -145,13 +146,16 @@ class Mount:
         units = UNITS + tuple(units)
         if decoder not in ("auto", "cpu", "kernels"):
             raise ValueError('decoder must be "auto", "cpu" or "kernels"')
-        from tpde.kernels import triton_kernels
+        kernels = decoder == "kernels" or (decoder == "auto" and device.type == "cuda")
+        if kernels:  # only then: importing triton costs 140 MB of memory on a CPU-only mount
+            from tpde.kernels import triton_kernels
 
-        if decoder == "kernels" and not triton_kernels.available():
-            raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of torch)")
-        gpu = device.type == "cuda" and triton_kernels.available()
+            if decoder == "kernels" and not triton_kernels.available():
+                raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of "
+                                "torch)")
+            kernels = triton_kernels.available()
         #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec).
-        self.on = device if decoder == "kernels" or (decoder == "auto" and gpu) else None
+        self.on = device if kernels else None
         if resident not in ("host", "store"):
             raise ValueError('resident must be "host" or "store"')
         self.chain, self.step, self.model, self.device = chain, step, model, device
@@ -207,13 +211,14 @@ class Mount:
         self._learning: list[str] | None = []
         self._active: list[str] = []
         self._pinned: set[str] = set()
-        self._handles = []
+        # Each unit's forward is wrapped rather than hooked: PyTorch's fused fast paths
+        # (nn.TransformerEncoderLayer's) switch themselves off when a module has hooks, and a
+        # mounted model must compute exactly as the dense one does.
+        self._wrapped: list[tuple[torch.nn.Module, Any]] = []
         for name in self.names:
-            module = model.get_submodule(name)
             self._release(name)
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
-            self._handles.append(module.register_forward_hook(self._post(name)))
-        self._handles.append(model.register_forward_hook(self._learned))
+            self._wrap(model.get_submodule(name), self._pre(name), self._post(name))
+        self._wrap(model, None, self._learned)
 
     # ------------------------------------------------------------------ decoding
     def _hold(self) -> None:
@@ -289,9 +294,26 @@ class Mount:
     def _resident(self) -> int:
         return sum(self.sizes[n] for n in self._lru) + sum(self.sizes[n] for n in self._pending)
 
-    # ------------------------------------------------------------------ hooks
-    def _pre(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+    # ------------------------------------------------------------------ around forward
+    def _wrap(self, module: torch.nn.Module, before: Callable[[], None] | None,
+              after: Callable[[], None]) -> None:
+        """Run ``before`` and ``after`` around every call of ``module``'s forward."""
+        inner = module.forward
+        self._wrapped.append((module, module.__dict__.get("forward")))
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                before()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                after()
+
+        module.forward = forward
+
+    def _pre(self, name: str) -> Callable[[], None]:
+        def hook() -> None:
             self._active.append(name)
             if self._learning is not None and name not in self._learning:
                 self._learning.append(name)
@@ -306,14 +328,14 @@ class Mount:
             self._ahead(name)
         return hook
 
-    def _post(self, name: str) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, name: str) -> Callable[[], None]:
+        def hook() -> None:
             if name in self._active:
                 self._active.remove(name)
             self._evict()
         return hook
 
-    def _learned(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _learned(self) -> None:
         """After the first whole forward, prefetch in the order modules actually ran."""
         if self._learning is not None:
             seen = self._learning
@@ -353,9 +375,14 @@ class Mount:
             self._pending[nxt] = self._pool.submit(self._decode_ahead, nxt)
 
     def close(self) -> None:
-        """Remove the hooks and free every decoded and held byte; the model keeps placeholders."""
-        for h in self._handles:
-            h.remove()
+        """Unwrap the forwards and free every decoded and held byte; the model keeps
+        placeholders."""
+        for module, own in reversed(self._wrapped):
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+        self._wrapped.clear()
         for f in self._pending.values():
             f.cancel()
         self._pending.clear()
@@ -418,17 +445,23 @@ def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module
 
     With ``model`` the keys are the model's (prefix and container resolved as ``mount`` does);
     without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
+    Only that part is decoded: an optimizer state beside it costs nothing.
     """
     chain, step = _open(run, step, storage_options)
-    state, _ = chain.load(step, map_location=map_location, keep_words=False)
+    skeleton = chain.manifest(step).skeleton
     if model is not None:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        keys = list(shapes)
-        _, container, prefix = _match(chain.manifest(step).skeleton, shapes)
-        node = state if container == "" else state[container]
-        return OrderedDict((k, node[prefix + k]) for k in keys if prefix + k in node)
-    if isinstance(state, dict):
-        for name in _CONTAINERS[:-1]:
-            if isinstance(state.get(name), dict):
-                return state[name]
+        _, container, prefix = _match(skeleton, shapes)
+        node, _ = chain.load(step, map_location=map_location, keep_words=False,
+                             within=container or None)  # the model's part only
+        return OrderedDict((k, node[prefix + k]) for k in shapes if prefix + k in node)
+    container = weights_key(skeleton)
+    state, _ = chain.load(step, map_location=map_location, keep_words=False, within=container)
     return state
+
+
+def weights_key(skeleton: Any) -> str | None:
+    """The top-level key holding a model's state dict in the usual layouts (Lightning's
+    ``state_dict``, ``{"model": ...}``), or None when the checkpoint is a state dict itself."""
+    top = dict(_items(skeleton))
+    return next((name for name in _CONTAINERS[:-1] if _tensor_leaves(top.get(name))), None)

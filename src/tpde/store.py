@@ -29,6 +29,27 @@ RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
 OP_TIMEOUT_S, MIN_RATE = 120.0, 1 << 20
 
 
+_UNREACHABLE = ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
+                "gaierror", "NameResolutionError", "ConnectTimeoutError", "InvalidURL")
+
+
+def cannot_connect(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it) says no connection could be made at all."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if any(cls.__name__ in _UNREACHABLE for cls in type(exc).__mro__):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def unreachable(url: str, exc: BaseException) -> StoreError:
+    """A store that cannot be connected to, named as ``url``."""
+    return StoreError(f"cannot open {url!r}: nothing answers at its store "
+                      f"({type(exc).__name__}: {exc}); check the URL, the endpoint (storage "
+                      "option client_kwargs.endpoint_url) and the network")
+
+
 def _bounded(op: Callable[[], T], nbytes: int = 0) -> T:
     """Run ``op`` with a deadline. A late op keeps running on its daemon thread, its result
     unused; a daemon thread, so that a server that never answers cannot hold up exit either."""
@@ -75,6 +96,7 @@ class Store:
             raise StoreError(f"cannot open {url!r}: install {pkg} ({exc})") from None
         self.root = self.root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
+        self.answered = self.local  # whether the store has answered once since it was opened
 
     def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
@@ -83,14 +105,23 @@ class Store:
         are not transient). Remote attempts have a deadline (``OP_TIMEOUT_S`` plus ``nbytes`` at
         ``MIN_RATE``). Any other backend exception ends as a ``StoreError``.
         """
-        for attempt in range(1 if self.local else RETRIES):
+        attempts = 1 if self.local else RETRIES
+        for attempt in range(attempts):
             try:
-                return op() if self.local else _bounded(op, nbytes)
+                value = op() if self.local else _bounded(op, nbytes)
+                self.answered = True
+                return value
             except FileNotFoundError:
+                self.answered = True
                 raise
             except Exception as exc:  # backends raise OSError, timeouts, aiohttp/botocore errors
                 last = exc
-                if attempt + 1 < (1 if self.local else RETRIES):
+                if not self.answered and cannot_connect(exc):
+                    # A wrong endpoint or host is far likelier than an outage at this moment,
+                    # and the backends retry connections themselves: say so in seconds
+                    # instead of retrying for a minute.
+                    raise unreachable(self.url, exc) from exc
+                if attempt + 1 < attempts:
                     delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt)
                     time.sleep(delay * (0.5 + random.random()))
         raise StoreError(f"cannot {what} {self.url}: {type(last).__name__}: {last}") from last

@@ -14,6 +14,7 @@ import base64
 import io
 import math
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -174,8 +175,7 @@ def resolve_device(device: str, map_location: MapLocation) -> torch.device:
     return torch.device(map_location(device))
 
 
-def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False,
-              where: str = "") -> Any:
+def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False) -> Any:
     """Rebuild the checkpoint from its skeleton and restored span tensors."""
     made: dict[tuple, torch.Tensor] = {}
 
@@ -231,10 +231,44 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
                 od._metadata = build(node["meta"])  # type: ignore[attr-defined]
             return od
         if "$pickle" in node:
-            return _unpickle(node["$pickle"], trusted, where)
+            return _unpickle(node["$pickle"], trusted)
         return {k: build(v) for k, v in node.items()}
 
     return build(skeleton)
+
+
+def keys(skeleton: Any) -> list[Any]:
+    """The top-level keys of a stored checkpoint that is a dict (none otherwise)."""
+    if isinstance(skeleton, dict) and "$dict" in skeleton:
+        return [k for k, _ in skeleton["$dict"] if not isinstance(k, (dict, list))]
+    if isinstance(skeleton, dict) and not any(str(k).startswith("$") for k in skeleton):
+        return list(skeleton)
+    return []
+
+
+def part(skeleton: Any, key: str) -> Any:
+    """The skeleton of ``checkpoint[key]`` (None when the checkpoint has no such key)."""
+    if isinstance(skeleton, dict) and "$dict" in skeleton:
+        return next((v for k, v in skeleton["$dict"] if k == key), None)
+    if isinstance(skeleton, dict) and not any(str(k).startswith("$") for k in skeleton):
+        return skeleton.get(key)
+    return None
+
+
+def span_indices(skeleton: Any) -> set[int]:
+    """The spans a skeleton's tensors view: what decoding it needs."""
+    out: set[int] = set()
+    todo = [skeleton]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get("$t"), int):
+                out.add(node["$t"])
+            else:
+                todo.extend(node.values())
+    return out
 
 
 def _hashable(key: Any) -> Any:
@@ -243,12 +277,12 @@ def _hashable(key: Any) -> Any:
     return key
 
 
-def _unpickle(data: str, trusted: bool, where: str) -> Any:
+def _unpickle(data: str, trusted: bool) -> Any:
     try:
         return torch.load(io.BytesIO(base64.b64decode(data)), weights_only=not trusted,
                           map_location="cpu")
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... here
-        raise load_error(exc, where, trusted, "a stored Python object cannot be read "
+        raise load_error(exc, "", trusted, "a stored Python object cannot be read "
                          "(damaged?)") from None
 
 
@@ -261,22 +295,26 @@ def load_error(exc: BaseException, where: str, trusted: bool, damaged: str) -> T
     """The error to raise for a ``torch.load`` that failed: a type the weights-only unpickler
     blocks, a class that cannot be imported, or (anything else) ``damaged``."""
     text = _ANSI.sub("", str(exc))  # torch bolds parts of its explanation with escape codes
+    at = f"{where}: " if where else ""
     blocked = _BLOCKED.search(text)
     if blocked and not trusted:
         return UnsafeContentError(
-            f"{where}: restoring needs to unpickle {blocked[1]}, which is outside torch's "
+            f"{at}restoring needs to unpickle {blocked[1]}, which is outside torch's "
             "weights-only allowlist. If you trust where it came from, pass trusted=True "
             "(CLI: --trusted), or allowlist the type with "
             f"torch.serialization.add_safe_globals([{blocked[1]}])")
     missing = _NOT_FOUND.search(text)
     if missing or isinstance(exc, ModuleNotFoundError):
         cls, module = missing.groups() if missing else ("a class", getattr(exc, "name", "?"))
+        main = sys.modules.get("__main__")
+        if module == getattr(getattr(main, "__spec__", None), "name", None):
+            module = "__main__"  # a program run with -m: its __main__ is named by its spec
         hint = (" A class defined in a training script lives in '__main__' only while that "
                 "script runs: move it into a module, or load from within the script."
                 if module == "__main__" else "")
         return UnsupportedError(
-            f"{where}: the stored object is of class {cls} from module '{module}', which must "
+            f"{at}the stored object is of class {cls} from module '{module}', which must "
             f"be importable to restore it.{hint}")
     detail = text.split("WeightsUnpickler error:")[-1].strip()  # past torch's general advice
     first = (detail.splitlines() or [type(exc).__name__])[0][:200]
-    return FormatError(f"{where}: {damaged}: {first}")
+    return FormatError(f"{at}{damaged}: {first}")

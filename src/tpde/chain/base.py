@@ -65,6 +65,13 @@ class Problem:
     tensor: str | None
     message: str
     needed_by: int | None = None
+    error: TPDEError | None = None  # what was raised, to raise it again as it was
+
+    @classmethod
+    def of(cls, exc: TPDEError, step: int, tensor: str | None = None) -> "Problem":
+        """The problem ``exc`` describes; ``step`` and ``tensor`` where it does not say."""
+        return cls(exc.step if exc.step is not None else step, exc.tensor or tensor, str(exc),
+                   error=exc)
 
 
 class ChainBase:

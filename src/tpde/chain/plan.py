@@ -201,25 +201,30 @@ class AtRest:
 
     ``visible``: blobs and manifests of visible steps. ``hidden``: those of hidden steps still
     kept, by step, with the visible steps that read from them (none: kept as a writer's
-    reference, or waiting for ``gc``). ``leftovers``: blobs no manifest names and temporary
-    files (a save in progress, or crashed ones that ``gc`` deletes after its grace period).
+    reference, or waiting for ``gc``). ``damaged``: by step, the manifest that cannot be read
+    and the blobs named after its step (``gc`` refuses to run while one is there).
+    ``leftovers``: blobs no manifest names and temporary files (a save in progress, or crashed
+    ones that ``gc`` deletes after its grace period).
     """
 
     visible: int = 0
     hidden: dict[int, int] = field(default_factory=dict)
     needed_by: dict[int, list[int]] = field(default_factory=dict)
+    damaged: dict[int, int] = field(default_factory=dict)
     leftovers: int = 0
     other: int = 0
 
     @property
     def total(self) -> int:
-        return self.visible + sum(self.hidden.values()) + self.leftovers + self.other
+        return (self.visible + sum(self.hidden.values()) + sum(self.damaged.values())
+                + self.leftovers + self.other)
 
     def as_dict(self) -> dict[str, Any]:
         return {"total_bytes": self.total, "visible_bytes": self.visible,
                 "hidden_bytes": sum(self.hidden.values()),
                 "hidden_steps": [{"step": s, "bytes": b, "needed_by": self.needed_by.get(s, [])}
                                  for s, b in sorted(self.hidden.items())],
+                "damaged_steps": [{"step": s, "bytes": b} for s, b in sorted(self.damaged.items())],
                 "leftover_bytes": self.leftovers, "other_bytes": self.other}
 
 

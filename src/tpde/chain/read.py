@@ -208,7 +208,7 @@ class Reader(ChainBase):
             exc = exc.located(run=self.url, step=at, tensor=name)
             if problems is None:
                 raise exc
-            problems.append(Problem(exc.step if exc.step is not None else at, name, str(exc)))
+            problems.append(Problem.of(exc, at, name))
             failed.add(name)
 
         for rec in wanted:
@@ -304,7 +304,7 @@ class Reader(ChainBase):
         found: list[Problem] = []
         self.materialize(step, [name], problems=found, check_every=True)
         if found:
-            return CorruptionError(found[0].message), found[0].step
+            return found[0].error or exc, found[0].step
         return exc, at
 
     @staticmethod
@@ -327,19 +327,34 @@ class Reader(ChainBase):
         return out
 
     def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,
-             progress: Progress | None = None, keep_words: bool = True
-             ) -> tuple[Any, dict[str, torch.Tensor]]:
+             progress: Progress | None = None, keep_words: bool = True,
+             within: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
         """The checkpoint at ``step`` and the host words it was built from.
 
         Without ``keep_words`` no words are returned and the checkpoint's tensors are the
         rebuilt words themselves wherever they need not move: a restore then holds one copy of
         the state, not two. (A writer keeps the words to code the next delta against, so the
-        tensors it hands out must be copies that training can change.)
+        tensors it hands out must be copies that training can change.) ``within`` names a
+        top-level key: only that part of the checkpoint is returned, and only its tensors are
+        decoded (a model's weights without the optimizer state, say).
         """
         m = self.manifest(step)
-        words = self.materialize(step, progress=progress)
+        skeleton = m.skeleton
+        if within is not None:
+            skeleton = tree.part(skeleton, within)
+            if skeleton is None:
+                raise TPDEError(f"the checkpoint has no top-level key {within!r} "
+                                f"(it has: {', '.join(map(str, tree.keys(m.skeleton)))})",
+                                run=self.url, step=step)
+        used = tree.span_indices(skeleton)
+        groups = m.spans()
+        words = self.materialize(step, [r.name for i in sorted(used) if i < len(groups)
+                                        for r in groups[i]], progress=progress)
         spans = []
-        for recs in m.spans():
+        for i, recs in enumerate(groups):
+            if i not in used:
+                spans.append(torch.empty(0))  # not referenced by the part being loaded
+                continue
             dt = dtypes.by_name(recs[0].dtype)
             names = [r.name for r in recs]
             device = tree.resolve_device(recs[0].device, map_location)
@@ -349,7 +364,7 @@ class Reader(ChainBase):
             data = span_words(names, words, device, consume=not keep_words)
             spans.append(data.view(torch.uint8).view(dt.torch_dtype))
         try:
-            state = tree.unflatten(m.skeleton, spans, trusted=trusted, where=f"step {step}")
+            state = tree.unflatten(skeleton, spans, trusted=trusted)
         except TPDEError as exc:
             raise exc.located(run=self.url, step=step) from None
         except (KeyError, TypeError, ValueError) as exc:

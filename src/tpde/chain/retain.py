@@ -197,7 +197,7 @@ class Retainer(Writer):
                              ".json")
         hidden = numbered((p, n) for p, n in files.items() if p.startswith(f"{REMOVED}/"))
         visible = set(committed) - set(hidden)
-        lazy = self.lazy()  # a damaged manifest's files count as leftovers, not as an error
+        lazy = self.lazy()  # a damaged manifest is counted apart, not raised
         manifests = {s: m for s in sorted(committed) if (m := lazy.get(s)) is not None}
         out = AtRest()
         owned: set[str] = set()
@@ -209,6 +209,11 @@ class Retainer(Writer):
                 out.visible += size
             else:
                 out.hidden[s] = size
+        for s in set(committed) - set(manifests):  # unreadable: neither visible nor leftover
+            mine = [p for p in files if p == f"{STEPS}/{name(s)}.json"
+                    or p.startswith(f"{DATA}/{name(s)}-")]
+            owned.update(mine)
+            out.damaged[s] = sum(files[p] for p in mine)
         readers = readers_of(manifests, visible)
         out.needed_by = {s: readers.get(s, []) for s in out.hidden}
         for path, size in files.items():
@@ -228,9 +233,8 @@ class Retainer(Writer):
             try:
                 self.materialize(s, problems=found, check_every=True, progress=progress)
             except TPDEError as exc:
-                exc = exc.located(run=self.url, step=s)
-                found.append(Problem(exc.step if exc.step is not None else s, exc.tensor, str(exc)))
-            problems += [Problem(p.step, p.tensor, p.message, needed_by=s) for p in found]
+                found.append(Problem.of(exc.located(run=self.url, step=s), s))
+            problems += [dataclasses.replace(p, needed_by=s) for p in found]
         return problems
 
 
