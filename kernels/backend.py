@@ -118,3 +118,9 @@ class Kernels(codec.CPU):
     def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         with self._on_stream():
             return triton_kernels.apply_sparse_xor_(ref, pos, r)
+
+    def quant(self, *args: Any) -> torch.Tensor:
+        """Error-bounded records: torch's own kernels, in the integer and float64 arithmetic
+        that rebuilds the same bits on every device."""
+        with self._on_stream():
+            return super().quant(*args)

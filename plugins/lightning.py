@@ -27,6 +27,7 @@ from tpde import frames
 from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, check_reference, snapshot
 from tpde.errors import UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS
+from tpde.quant import Bound, Bounds
 from tpde.store import Store
 
 log = logging.getLogger("tpde.lightning")
@@ -101,6 +102,10 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     ``async_save=False`` saves in ``save_checkpoint`` from the checkpoint itself, with no copy:
     with ``reference="store"`` (see ``Checkpointer``) a save then needs memory bounded by
     ``max_inflight_bytes``, not by the state.
+
+    ``error_bound`` (opt-in, lossy) is ``Checkpointer``'s: e.g. ``{"state_dict/*":
+    tpde.Rel(1e-3)}`` keeps every weight within 0.1% of its saved value; a pattern that matches
+    no tensor fails at the first ``save_checkpoint``, on the training thread.
     """
 
     def __init__(self, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
@@ -109,14 +114,16 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  async_save: bool = True, max_pending: int = 1,
                  lease_seconds: float = DEFAULT_LEASE_SECONDS, takeover: bool = False,
                  chain_dir: str = entries.CHAIN_DIR, reference: str = "host",
-                 max_inflight_bytes: int = 256 << 20) -> None:
+                 max_inflight_bytes: int = 256 << 20,
+                 error_bound: dict[str, Bound] | None = None) -> None:
         super().__init__()
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
         check_reference(reference)  # here, not first in the background worker
+        self.bounds = Bounds(error_bound) if error_bound is not None else None
         self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
                             lease_seconds=lease_seconds, takeover=takeover, reference=reference,
-                            max_inflight_bytes=max_inflight_bytes)
+                            max_inflight_bytes=max_inflight_bytes, error_bound=error_bound)
         self.device = device
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
@@ -147,6 +154,9 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         try:
             # A synchronous save reads the checkpoint before training goes on: no copy needed.
             snap = snapshot(checkpoint, device=self.device) if self.async_save else checkpoint
+            if self.bounds is not None and isinstance(snap, Snapshot):
+                # A pattern that matches nothing fails on the training thread, not later.
+                self.bounds.check(span.name for span in snap.flat.spans)
         except BaseException:
             self._room.release()
             raise

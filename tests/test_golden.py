@@ -1,5 +1,6 @@
 """The committed golden chains must decode bit-exactly forever: format 1 (whole spans), format 2
-(large spans stored in pieces) and format 3 (steps re-based into new blobs)."""
+(large spans stored in pieces), format 3 (steps re-based into new blobs) and format 4
+(error-bounded records: within their bounds of the saved states, and hash-checked)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tpde
 from helpers import assert_same
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
-from states import golden_states  # noqa: E402
+from states import LOSSY_BOUNDS, golden_states, lossy_states  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 CHAINS = ("chain-v1", "chain-v2", "chain-v3")
@@ -43,3 +44,38 @@ def test_golden_v3_is_rebased_and_keeps_its_first_names() -> None:
         assert m.format == 3 and m.origin is not None and m.origin != m.blob
         assert all(r.ref is None or r.ref in chain.steps() for r in m.records)
 
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_golden_v4_steps_hold_their_bounds(i: int) -> None:
+    """The hash check pins every decoded bit; the bounds are checked against the saved states
+    here, in numpy, and every tensor without a bound is bit-exact."""
+    import numpy as np
+
+    from test_lossy import holds
+
+    ck = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v4"))
+    got, saved = ck.load(i), lossy_states()[i]
+    assert ck.chain.verify(i) == []
+    assert ck.chain.manifest(i).format == 4
+    bounded = {"model/w": got["model"]["w"], "model/f": got["model"]["f"], "edge": got["edge"]}
+    for name, tensor in bounded.items():
+        how, value = LOSSY_BOUNDS[name]
+        want = saved["edge"] if name == "edge" else saved["model"][name.split("/")[1]]
+        bound = tpde.Abs(value) if how == "abs" else tpde.Rel(value)
+        assert np.all(holds(want, tensor, bound)), name
+    exact = {**saved, "model": {k: v for k, v in saved["model"].items() if k not in ("w", "f")},
+             "edge": None}
+    mine = {**got, "model": {k: v for k, v in got["model"].items() if k not in ("w", "f", "tied")},
+            "edge": None}
+    exact["model"].pop("tied")
+    assert_same(exact, mine)
+    assert got["model"]["tied"] is got["model"]["w"]
+
+
+def test_golden_v4_exercises_every_error_bounded_coding() -> None:
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v4")).chain
+    used = {(r.grid, "positions" in r.sections, "fixes" in r.sections, r.ref is None)
+            for s in chain.steps() for r in chain.manifest(s).records if r.codec == "quant"}
+    assert {("ulp", False, True, False), ("abs", False, False, False),
+            ("ulp", False, False, True), ("ulp", True, False, False)} <= used

@@ -435,3 +435,32 @@ def test_damaged_entries_are_errors_never_wrong_checkpoints(tmp_path) -> None:
         seen["harmless"] += 1
     print(f"damaged entries: {seen}")
     assert seen["detected"] > 10
+
+
+def test_error_bound_through_the_plugin_against_torch_files(tmp_path) -> None:
+    """The same seeded run saved by TorchCheckpointIO and by the plugin with a bound on the
+    weights: every kept file's weights are within the bound of the torch file's, everything
+    else is identical, and a pattern that matches nothing fails at the first save."""
+    from test_lossy import holds
+
+    fit(str(tmp_path / "torch"), TorchCheckpointIO())
+    bound = tpde.Rel(1e-3)
+    plugin = tpde.TPDECheckpointIO(error_bound={"state_dict/*weight": bound})
+    fit(str(tmp_path / "tpde"), plugin)
+    names = files(fsspec.filesystem("file"), str(tmp_path / "tpde"))
+    lossy = 0
+    for name in names:
+        ours = plugin.load_checkpoint(str(tmp_path / "tpde" / name))
+        theirs = torch.load(tmp_path / "torch" / name, weights_only=False)
+        for k, v in theirs["state_dict"].items():
+            if k.endswith("weight") and v.is_floating_point():
+                assert holds(v, ours["state_dict"][k], bound).all(), (name, k)
+                lossy += not torch.equal(v, ours["state_dict"][k])
+                ours["state_dict"][k] = v
+        assert_same(comparable(ours), comparable(theirs))
+    assert lossy > 0
+    assert "LOSSY" in subprocess.run([sys.executable, "-m", "tpde.cli", "ls",
+                                      str(tmp_path / "tpde")], capture_output=True,
+                                     text=True).stdout
+    with pytest.raises(tpde.BoundError, match="state_dict/"):
+        fit(str(tmp_path / "bad"), tpde.TPDECheckpointIO(error_bound={"model/*": bound}))

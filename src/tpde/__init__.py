@@ -9,7 +9,8 @@ from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, snaps
 from .chain import GcReport, Problem
 from .entry import load_checkpoint
 from .mount import Mount, load_state_dict, mount
-from .errors import (CorruptionError, FormatError, NotARunError, StepExistsError,
+from .quant import Abs, Bound, BoundError, Rel
+from .errors import (CorruptionError, FormatError, LossyWarning, NotARunError, StepExistsError,
                      StepNotFoundError, StoreError, TPDEError, UnsafeContentError,
                      UnsupportedError, WriterConflictError)
 from tpde.plugins.hook import AttachHandle, attach
@@ -17,15 +18,20 @@ from tpde.plugins.hook import AttachHandle, attach
 __version__ = "0.2.0"
 
 __all__ = [
+    "Abs",
     "AttachHandle",
+    "Bound",
+    "BoundError",
     "Checkpointer",
     "CorruptionError",
     "DEFAULT_KEYFRAME_EVERY",
     "FormatError",
     "Mount",
     "GcReport",
+    "LossyWarning",
     "NotARunError",
     "Problem",
+    "Rel",
     "StepExistsError",
     "StepInfo",
     "Snapshot",

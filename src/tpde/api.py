@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import codec, dtypes, frames, tree
+from . import codec, dtypes, frames, quant, tree
 from .chain import DEFAULT_KEYFRAME_EVERY, Chain, GcReport, Problem, Reference
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest
@@ -128,6 +128,12 @@ class Checkpointer:
     ``keyframe_every`` deltas deep, the re-keys spread over steps, and a tensor that never
     changes is stored once. ``remove`` re-bases the steps that read from the removed one and
     frees its bytes, so a run holds at most what its visible steps would cost as keyframes.
+
+    ``error_bound`` (opt-in; default lossless) saves the tensors it names within a pointwise
+    bound, e.g. ``{"model/*": tpde.Rel(1e-3), "*.bias": tpde.Abs(1e-6)}``: keys are ``fnmatch``
+    patterns over the names ``tpde info`` prints, the first match wins, and integer and bool
+    tensors stay exact. Every restored element of such a tensor is within the bound of the
+    value saved at that step, however long the chain; see the README's "Error-bounded mode".
     """
 
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
@@ -136,7 +142,10 @@ class Checkpointer:
                  chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
                  key_margin: float = 0.95, lease_seconds: float = DEFAULT_LEASE_SECONDS,
                  takeover: bool = False, reference: str = "host",
-                 max_inflight_bytes: int = 256 << 20) -> None:
+                 max_inflight_bytes: int = 256 << 20,
+                 error_bound: dict[str, quant.Bound] | None = None) -> None:
+        self.bounds = quant.Bounds(error_bound) if error_bound is not None else None
+        self._bounds_checked = False
         if keyframe_every < 1:
             raise ValueError("keyframe_every must be >= 1")
         if not 0 < key_margin <= 1:  # above 1 a delta could be stored larger than a keyframe
@@ -161,13 +170,16 @@ class Checkpointer:
         """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``)."""
         owned = isinstance(state, Snapshot)
         flat = state.flat if owned else tree.flatten(state)
+        if self.bounds is not None and not self._bounds_checked:
+            self.bounds.check(span.name for span in flat.spans)
+            self._bounds_checked = True
         self._writing()
         reference, self._reference = self._reference, None
         try:
             manifest, self._reference = self.chain.write(
                 step, flat, reference, settings=self.settings,
                 keyframe_every=self.keyframe_every, keep_reference=self.keep_reference,
-                max_inflight_bytes=self.max_inflight_bytes, owned=owned)
+                max_inflight_bytes=self.max_inflight_bytes, owned=owned, bounds=self.bounds)
         finally:
             del flat
             _return_freed_memory()

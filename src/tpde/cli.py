@@ -9,25 +9,24 @@ import argparse
 import json
 import os
 import sys
-from collections import Counter
+import warnings
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from . import __version__, dtypes, tree
+from . import __version__, dtypes, report, tree
 from . import entry as entries
 from .api import Checkpointer, Snapshot
-from .chain import AtRest, Chain, span_words
-from .errors import TPDEError
+from .against import distances
+from .chain import Chain, lossy_summary, span_words
+from .errors import LossyWarning, TPDEError
 from .lease import Lease
-from .manifest import Manifest
 from .mount import weights_key
 
-err = Console(stderr=True)
+err = report.err
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -60,21 +59,12 @@ def _bar(total: int, label: str, quiet: bool) -> Iterator[Any]:
         yield lambda n: bar.advance(task, n)
 
 
-def _step_row(m: Manifest) -> dict[str, Any]:
-    return {
-        "step": m.step, "keyframe": m.keyframe, "parent": m.parent,
-        "raw_bytes": m.raw_bytes, "stored_bytes": m.stored_bytes,
-        "ratio": round(m.raw_bytes / max(1, m.stored_bytes), 3),
-        "codecs": dict(Counter(r.codec for r in m.records)), "seconds": round(m.seconds, 3),
-    }
-
-
 def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
     chain.require_run()
     rows, damaged = [], []
     for s in chain.steps():  # one damaged manifest must not hide the others
         try:
-            rows.append(_step_row(chain.manifest(s)))
+            rows.append(report.step_row(chain.manifest(s)))
         except TPDEError as exc:
             damaged.append({"step": s, "error": exc.detail})
     raw = sum(r["raw_bytes"] for r in rows)
@@ -97,16 +87,20 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
         if r["step"] in bad:
             table.add_row(str(r["step"]), "DAMAGED", "", "", "", f"manifest: {bad[r['step']]}")
             continue
-        kind = "key" if r["keyframe"] else f"delta<-{r['parent']}" + (
-            " (hidden)" if r["parent"] in hidden else "")
-        table.add_row(str(r["step"]), kind, _mb(r["raw_bytes"]), _mb(r["stored_bytes"]),
+        kind = ("key" if r["keyframe"] else f"delta<-{r['parent']}" + (
+            " (hidden)" if r["parent"] in hidden else "")) + (" LOSSY" if r["lossy"] else "")
+        table.add_row(str(r["step"]), kind, report.mb(r["raw_bytes"]), report.mb(r["stored_bytes"]),
                       f"{r['ratio']:.2f}x",
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
-    _out().print(table)
+    report.out().print(table)
     if named is not None:
-        _entries_table(chain, named)
-    print(f"total: {_mb(raw)} raw, {_mb(stored)} stored, {raw / max(1, stored):.2f}x")
-    print(_at_rest_line(rest))
+        report.entries_table(chain, named)
+    print(f"total: {report.mb(raw)} raw, {report.mb(stored)} stored, {raw / max(1, stored):.2f}x")
+    lossy = [r["step"] for r in rows if r["lossy"]]
+    if lossy:
+        print(f"LOSSY: {report.steps_text(lossy)} step(s) restore within an error bound, not bit-exactly "
+              f"(`tpde info {args.run} --step N` gives the bounds and errors)")
+    print(report.at_rest_line(rest))
     if damaged:
         print(f"{len(damaged)} step(s) cannot be read: `tpde verify {args.run}` says which steps "
               "they break and what to do")
@@ -121,44 +115,6 @@ def _entries(chain: Chain, args: argparse.Namespace) -> list[dict[str, Any]]:
             for name, e in entries.listing(args.entries, chain, args.options).items()]
 
 
-def _entries_table(chain: Chain, named: list[dict[str, Any]]) -> None:
-    table = Table(title=f"checkpoint files beside {chain.url}")
-    for col in ("file", "epoch", "global_step", "step", "state"):
-        table.add_column(col, justify="left" if col in ("file", "state") else "right")
-    for e in named:
-        table.add_row(e["name"], str(e["epoch"] if e["epoch"] is not None else "-"),
-                      str(e["global_step"] if e["global_step"] is not None else "-"),
-                      str(e["step"]), "ok" if e["restores"] else "its step is gone")
-    _out().print(table)
-
-
-def _at_rest_line(rest: AtRest) -> str:
-    """What the run holds in its store, and why beyond its visible steps."""
-    parts = [f"at rest: {_mb(rest.total)} ({_mb(rest.visible)} in visible steps"]
-    for h in rest.as_dict()["hidden_steps"]:
-        why = (f"read by steps {h['needed_by']}" if h["needed_by"]
-               else "kept as the writer's reference, or until `tpde gc`")
-        parts.append(f"hidden step {h['step']}: {_mb(h['bytes'])}, {why}")
-    for d in rest.as_dict()["damaged_steps"]:
-        parts.append(f"damaged step {d['step']}: {_mb(d['bytes'])}")
-    if rest.leftovers:
-        parts.append(f"{_mb(rest.leftovers)} left by unfinished saves (`tpde gc` deletes them)")
-    return "; ".join(parts) + ")"
-
-
-def _mb(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def _out() -> Console:
-    """Tables for people: full width in a terminal, wide enough not to fold when piped."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
 def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
     m = chain.manifest(args.step if args.step is not None else chain.latest())
     tensors = [{
@@ -167,25 +123,34 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         "density": round(r.density, 6),
         "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
         "ratio": round(r.raw_bytes / r.stored_bytes, 3) if r.stored_bytes else None,
+        "bound": r.bound, "error": r.error, "lossy": r.lossy,
     } for r in m.records]
     rest = chain.at_rest()
     if args.json:
-        print(json.dumps({"run": chain.url, **_step_row(m), "tensors": tensors,
+        print(json.dumps({"run": chain.url, **report.step_row(m), "tensors": tensors,
                           "at_rest": rest.as_dict()}))
         return 0
     table = Table(title=f"{chain.url} step {m.step} "
                         f"({'keyframe' if m.keyframe else f'delta against {m.parent}'})")
     table.add_column("tensor", overflow="fold", min_width=24)
-    for col in ("dtype", "numel", "codec", "ref", "changed", "stored", "ratio"):
-        table.add_column(col, justify="left" if col in ("dtype", "codec") else "right",
-                         no_wrap=True)
-    for t in tensors:
+    bounded = any(t["bound"] for t in tensors)
+    cols = ("dtype", "numel", "codec", "ref", "changed", "stored", "ratio") + (
+        ("error bound",) if bounded else ())
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("dtype", "codec", "error bound")
+                         else "right", no_wrap=col != "error bound")
+    for t, r in zip(tensors, m.records):
         table.add_row(t["name"], t["dtype"], str(t["numel"]),
-                      t["codec"] + (f"/{t['residual']}" if t["residual"] else ""),
+                      t["codec"] + (f"/{t['residual'] or r.grid}" if t["residual"] or r.grid
+                                    else ""),
                       "" if t["ref"] is None else str(t["ref"]), f"{t['density']:.2%}",
-                      _mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x")
-    _out().print(table)
-    print(_at_rest_line(rest))
+                      report.mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x",
+                      *((report.bound_cell(r),) if bounded else ()))
+    report.out().print(table)
+    said = lossy_summary(m.records)
+    if said:
+        print(f"LOSSY step: {said}")
+    print(report.at_rest_line(rest))
     return 0
 
 
@@ -212,9 +177,14 @@ def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
         key = weights_key(m.skeleton)  # a model's weights, with the keys load_state_dict takes
     key = key or None  # --key "": the whole checkpoint
     left = [k for k in tree.keys(m.skeleton) if k != key] if key is not None else []
-    with _bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance:
+    with _bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance, \
+            warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LossyWarning)
         state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance,
                               keep_words=False, within=key)
+    lossy = [str(w.message) for w in said if issubclass(w.category, LossyWarning)]
+    for text in lossy[:1]:
+        err.print(f"warning: LOSSY: {text}", markup=False, highlight=False, soft_wrap=True)
     if args.format == "torch":
         torch.save(state, args.output)
     else:
@@ -228,7 +198,7 @@ def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run": chain.url, "step": step, "output": args.output,
                           "format": args.format, "key": key, "left_out": left,
-                          "raw_bytes": m.raw_bytes}))
+                          "raw_bytes": m.raw_bytes, "lossy": lossy[0] if lossy else None}))
     else:
         err.print(f"restored step {step} of {chain.url} to {args.output}")
     return 0
@@ -269,6 +239,8 @@ def _save_safetensors(state: Any, path: str) -> list[str]:
 
 def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
     chain.require_run()
+    if args.against is not None:
+        return _verify_against(chain, args)
     steps = [args.step] if args.step is not None else chain.steps()
     total = 0
     for s in steps:
@@ -295,41 +267,49 @@ def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
             cause = f" (damage at step {p.step})" if p.step != p.needed_by else ""
             err.print(f"BAD step {p.needed_by}{cause}: {p.message}", markup=False,
                       highlight=False, soft_wrap=True)
-    _damage_summary(chain, args.run, problems, fine, damaged, depend)
+    report.damage_summary(chain, args.run, problems, fine, damaged, depend)
     return 1
 
 
-def _steps(steps: list[int]) -> str:
-    shown = ", ".join(map(str, steps[:12]))
-    return f"{len(steps)} ({shown}{', ...' if len(steps) > 12 else ''})" if steps else "none"
-
-
-def _damage_summary(chain: Chain, run: str, problems: list[Any], fine: list[int],
-                    damaged: list[int], depend: list[int]) -> None:
-    """Three groups of steps, the damage behind them, and what a user can do about it."""
-    say = (lambda text: err.print(text, markup=False, highlight=False, soft_wrap=True))
-    say(f"{chain.url}: {len(fine) + len(damaged) + len(depend)} step(s) verified")
-    say(f"  fine: {_steps(fine)}")
-    say(f"  damaged: {_steps(damaged)}")
-    say(f"  depend on a damaged step: {_steps(depend)}")
-    causes: dict[tuple[int, str], set[str]] = {}
-    for p in problems:  # one line per damaged object, naming the tensors it breaks
-        tensors = causes.setdefault((p.step, p.error.detail if p.error else p.message), set())
-        tensors.update([p.tensor] if p.tensor else [])
-    say("damage found:")
-    for (at, detail), tensors in sorted(causes.items())[:8]:
-        names = ", ".join(repr(t) for t in sorted(tensors)[:3]) + (", ..." if len(tensors) > 3
-                                                                  else "")
-        say(f"  step {at}" + (f" ({names})" if tensors else "") + f": {detail}")
-    if len(causes) > 8:
-        say(f"  ... and {len(causes) - 8} more (-v lists every problem, --json gives them all)")
-    say("what to do:")
-    if fine:
-        say(f"  - restore a fine step: tpde restore {run} --step {fine[-1]} --output FILE")
-        say(f"  - go on training from a fine step; or write one as a fresh keyframe that nothing "
-            f"damaged is read from: tpde export {run} --step {fine[-1]} --to NEW_RUN")
-    say("  - if the training job still holds a damaged step's state, save it again")
-    say("  - damage that keeps appearing points at the storage: check its disk or bucket")
+def _verify_against(chain: Chain, args: argparse.Namespace) -> int:
+    """Hash-check one step, then measure it against a dense checkpoint of the same state."""
+    step = args.step if args.step is not None else chain.latest()
+    m = chain.manifest(step)
+    try:
+        dense = torch.load(args.against, map_location="cpu", weights_only=not args.trusted)
+    except Exception as exc:  # torch raises many kinds for a file that is not a checkpoint
+        raise TPDEError(f"cannot read --against {args.against!r} with torch.load: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    with _bar(m.raw_bytes, f"verifying step {step}", args.quiet) as advance:
+        problems = chain.verify(step, progress=advance)
+    if problems:
+        raise TPDEError(f"step {step} is damaged ({problems[0].message}); `tpde verify "
+                        f"{args.run}` says more", run=chain.url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LossyWarning)  # the table below says it all
+        restored, _ = chain.load(step, map_location="cpu", trusted=args.trusted,
+                                 keep_words=False)
+    found = distances(m, restored, dense)
+    bad = [d.name for d in found if not d.within]
+    if args.json:
+        print(json.dumps({"run": chain.url, "step": step, "against": args.against,
+                          "ok": not bad, "tensors": [d.as_dict() for d in found],
+                          "max_abs": max((d.max_abs for d in found), default=0.0),
+                          "max_rel": max((d.max_rel for d in found), default=0.0)}))
+        return 1 if bad else 0
+    table = Table(title=f"{chain.url} step {step} against {args.against}")
+    for col in ("tensor", "bound", "max abs error", "max rel error", "differing", "within"):
+        table.add_column(col, justify="left" if col in ("tensor", "bound") else "right")
+    for d in found:
+        if d.differing or d.bound or args.verbose:
+            table.add_row(d.name, d.bound or "exact", f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
+                          str(d.differing), "yes" if d.within else "NO")
+    report.out().print(table)
+    exact = sum(1 for d in found if not d.differing)
+    err.print(f"{len(found)} tensors: {exact} bit-identical, {len(found) - exact - len(bad)} "
+              f"within their bound, {len(bad)} outside it" + (f" ({', '.join(bad[:5])})" if bad
+                                                            else ""))
+    return 1 if bad else 0
 
 
 def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
@@ -349,7 +329,7 @@ def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
         print(json.dumps({**vars(report), "hidden_steps": hidden}))
     else:
         note = f"; hid steps no checkpoint entry names: {hidden}" if hidden else ""
-        err.print(f"freed {_mb(report.freed_bytes)} in {len(report.deleted)} object(s); "
+        err.print(f"freed {report.mb(report.freed_bytes)} in {len(report.deleted)} object(s); "
                   f"purged steps: {report.purged_steps or 'none'}{note}")
     return 0
 
@@ -373,7 +353,7 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
                           "raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}))
     else:
         err.print(f"exported step {step} of {chain.url} to {args.to} as a keyframe "
-                  f"({_mb(info.stored_bytes)})")
+                  f"({report.mb(info.stored_bytes)})")
     return 0
 
 
@@ -413,6 +393,11 @@ def parser() -> argparse.ArgumentParser:
                 "damaged steps, the steps that depend on them, and what to do.")
     c.add_argument("--step", help=STEP_HELP + " (default: every visible step)")
     c.add_argument("-v", "--verbose", action="store_true", help="print every problem found")
+    c.add_argument("--against", metavar="FILE", help="a dense checkpoint (torch.save) of the same "
+                   "step: report each tensor's largest error against it and whether it holds "
+                   "the recorded error bound")
+    c.add_argument("--trusted", action="store_true",
+                   help="allow unpickling objects outside torch's weights-only allowlist")
     c = command("export", "Write a step as the keyframe of another run (fast to mount).")
     c.add_argument("--step", help=STEP_HELP + " (default: the latest)")
     c.add_argument("--to", required=True, help="the run to write it to (new or existing)")

@@ -9,6 +9,10 @@ reference words of the previous step the encoder picks the smallest of:
   order-preserving integer images, whichever compresses better);
 * ``key``    — the words themselves, no reference.
 
+A tensor saved under an error bound (opt-in) may also be coded ``quant``: integer codes on a
+grid, with or without a reference (``quant`` holds the quantizer), when that is smaller than
+every exact coding.
+
 Residuals and words are byte-plane shuffled before zstd, because the high bytes of nearby
 floats repeat and the low bytes are noise: grouping them lets zstd find the repetition.
 Nothing here touches a store.
@@ -22,13 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import elias, frames
+from . import elias, frames, quant
 from .errors import FormatError
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")
 
-CODECS = ("same", "sparse", "dense", "key")
+CODECS = ("same", "sparse", "dense", "key", "quant")
+GRIDS = ("ulp", "abs")
 RESIDUALS = ("xor", "sub")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
@@ -56,6 +61,20 @@ class Encoding:
     residual: str | None = None
     count: int = 0
     sections: dict[str, frames.Section] = field(default_factory=dict)
+    #: ``quant`` only: the grid and its scale.
+    grid: str | None = None
+    scale: float | None = None
+    #: Under a bound: the words a reader rebuilds when they differ from the saved ones (the next
+    #: step's reference), and the largest absolute and relative errors.
+    words: torch.Tensor | None = None
+    error: tuple[float, float] | None = None
+    #: Whether the words are coded against the reference (``quant`` may code without one).
+    against: bool = True
+
+    @property
+    def keyed(self) -> bool:
+        """A keyframe record: no reference."""
+        return self.codec == "key" or (self.codec == "quant" and not self.against)
 
     @property
     def stored(self) -> int:
@@ -187,13 +206,69 @@ def _packed_size(words: torch.Tensor, s: Settings) -> int:
 
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
-           settings: Settings | None = None) -> Encoding:
+           settings: Settings | None = None, *, bound: quant.Bound | None = None,
+           dtype: str | None = None) -> Encoding:
     """Encode ``new`` words against ``ref`` words (or as a keyframe when ``ref`` is None).
 
     Small tensors are encoded every way and the smallest kept; for large ones the choice is made
-    on evenly spaced samples and only the winner is encoded in full.
+    on evenly spaced samples and only the winner is encoded in full. With a ``bound`` on a
+    floating-point ``dtype`` the best exact coding competes with the error-bounded ones.
     """
-    s = settings or Settings()
+    exact = _encode_exact(new, ref, kind, settings or Settings())
+    if bound is None or dtype is None or not quant.applies(dtype) or exact.codec == "same":
+        return exact
+    lossy = _encode_quant(new, ref, dtype, bound, settings or Settings())
+    if lossy is None or lossy.stored >= exact.stored:
+        return exact
+    lossy.error = quant.errors(new, lossy.words, quant.FLOATS[dtype][0])
+    return lossy
+
+
+def _encode_quant(new: torch.Tensor, ref: torch.Tensor | None, dtype: str, bound: quant.Bound,
+                  s: Settings) -> Encoding | None:
+    """The smallest error-bounded coding of ``new`` (None: no grid is coarser than the dtype).
+
+    Each grid is tried with its codes stored densely (in ``quant.order``) and, where at most
+    half are nonzero, sparsely: the Elias-delta positions of the nonzero codes and their
+    values. Measured per tensor, because fine-tunes give dense codes and sparse updates sparse
+    ones.
+    """
+    if ref is not None and (ref.shape != new.shape or ref.dtype != new.dtype):
+        ref = None
+    if ref is not None:
+        ref = ref.to(new.device)
+    best: Encoding | None = None
+    for grid, scale in quant.grids(dtype, bound):
+        q = quant.quantize(new, ref, dtype, bound, grid, scale)
+        nonzero = q.codes != 0
+        count = int(nonzero.sum())
+        if ref is not None and count == 0 and q.fixes.numel() == 0:
+            return Encoding("same", words=ref)  # every element within the bound of its reference
+        fixes: dict[str, frames.Section] = {}
+        if q.fixes.numel():
+            base = ref[q.fixes] if ref is not None else torch.zeros_like(new[q.fixes])
+            fixes["fixes"] = _positions(q.fixes, s)
+            fixes["exact"] = _compress(new[q.fixes] ^ base, s)
+        z = quant.zigzag(q.codes)
+        layouts = [{"values": _compress(z[quant.order(ref, dtype)] if ref is not None else z, s)}]
+        if count <= new.numel() // 2:
+            at = torch.nonzero(nonzero).reshape(-1)
+            layouts.append({"values": _compress(z[at], s), "positions": _positions(at, s)})
+        for sections in layouts:
+            enc = Encoding("quant", None, count, {**sections, **fixes}, grid, scale, q.rebuilt,
+                           against=ref is not None)
+            if best is None or enc.stored < best.stored:
+                best = enc
+    return best
+
+
+def _positions(at: torch.Tensor, s: Settings) -> frames.Section:
+    return frames.compress(elias.encode(at.cpu().numpy(), s.block), level=1, chunk=s.chunk,
+                           threads=s.threads)
+
+
+def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings
+                  ) -> Encoding:
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
         return Encoding("key", sections={"values": _compress(new, s)})
     ref = ref.to(new.device, non_blocking=True)
@@ -244,9 +319,7 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
     values = built.get(best) or _compress(build(best), s)
     enc = Encoding(name, how, count if name != "key" else 0, {"values": values})
     if name == "sparse":
-        stream = elias.encode(positions.cpu().numpy(), s.block)
-        enc.sections["positions"] = frames.compress(stream, level=1, chunk=s.chunk,
-                                                    threads=s.threads)
+        enc.sections["positions"] = _positions(positions, s)
     return enc
 
 
@@ -272,19 +345,34 @@ class CPU:
         ref[pos] = ref[pos] ^ r
         return ref
 
+    def quant(self, grid: str, scale: float, dtype: str, n: int, values: torch.Tensor,
+              pos: torch.Tensor | None, ref: torch.Tensor | None, fixes: torch.Tensor | None,
+              exact: torch.Tensor | None) -> torch.Tensor:
+        device = ref.device if ref is not None else values.device
+        values = values.to(device)
+        codes = quant.codes_of(n, values, pos, ref, dtype)
+        out = quant.dequant(grid, scale, codes, ref, quant.FLOATS[dtype][0])
+        if fixes is not None:
+            out[fixes] = out[fixes] ^ exact.to(device)
+        return out
+
 
 def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], ref: torch.Tensor | None,
            n: int, word_dtype: torch.dtype, kind: str,
            positions: np.ndarray | None = None, inplace: bool = False,
-           backend: CPU | None = None) -> torch.Tensor:
+           backend: CPU | None = None, grid: tuple[str, float, str] | None = None
+           ) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
     a whole step's streams in one batch with ``elias.decode_many``).  With ``inplace`` a delta
     overwrites ``ref`` instead of copying it: for callers that own ``ref``. ``backend`` does the
-    work elsewhere (the GPU kernels in ``tpde.kernels``); it always works in place.
+    work elsewhere (the GPU kernels in ``tpde.kernels``); it always works in place. ``grid``
+    is a ``quant`` record's (grid, scale, dtype name).
     """
     do = backend or CPU()
+    if codec == "quant":
+        return _decode_quant(do, sections, ref, n, word_dtype, grid)
     if codec == "key":
         words = do.words(sections, "values", word_dtype)
         if words.numel() != n:
@@ -308,6 +396,31 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
             raise FormatError("sparse record has a different number of positions and values")
         return do.sparse(out, pos, r)
     raise FormatError(f"unknown codec {codec!r}")
+
+
+def _decode_quant(do: CPU, sections: dict[str, bytes | bytearray], ref: torch.Tensor | None,
+                  n: int, word_dtype: torch.dtype, grid: tuple[str, float, str] | None
+                  ) -> torch.Tensor:
+    if grid is None or grid[0] not in GRIDS or grid[2] not in quant.FLOATS:
+        raise FormatError(f"quant record with grid {grid!r}")
+    if ref is not None and ref.numel() != n:
+        raise FormatError("quant record has no usable reference")
+    values = do.words(sections, "values", word_dtype)
+    pos = None
+    device = ref.device if ref is not None else values.device
+    if "positions" in sections:
+        pos = do.positions(sections["positions"], n, None, device)
+        if pos.numel() != values.numel():
+            raise FormatError("quant record has a different number of positions and codes")
+    elif values.numel() != n:
+        raise FormatError(f"quant record holds {values.numel()} codes where {n} are expected")
+    fixes = exact = None
+    if "fixes" in sections:
+        fixes = do.positions(sections["fixes"], n, None, device)
+        exact = do.words(sections, "exact", word_dtype)
+        if fixes.numel() != exact.numel():
+            raise FormatError("quant record has a different number of fixes and exact words")
+    return do.quant(grid[0], grid[1], grid[2], n, values, pos, ref, fixes, exact)
 
 
 def _words_from(sections: dict[str, bytes | bytearray], name: str,

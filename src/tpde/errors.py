@@ -72,3 +72,8 @@ class StoreError(TPDEError, OSError):
 
 class WriterConflictError(TPDEError):
     """Another writer holds the run's lease."""
+
+
+class LossyWarning(UserWarning):
+    """A restored step was saved under an error bound: its values are within the bound of the
+    saved ones, not bit-exact."""

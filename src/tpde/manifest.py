@@ -18,15 +18,18 @@ from typing import Any
 import torch
 import zstandard
 
-from . import codec, dtypes, frames
+from . import codec, dtypes, frames, quant
 from .errors import FormatError
 
-#: The newest format this tpde reads and the one it writes: zstd-framed manifests that may name
-#: an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2 with pieces)
-#: are read as before.
-FORMAT = 3
+#: The newest format this tpde reads: format 4 adds error-bounded records (the opt-in lossy
+#: mode), and is written only by steps that hold a tensor saved under a bound, so that chains
+#: saved without one stay readable by tpde releases that know format 3. Format 3: zstd-framed
+#: manifests that may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2
+#: (plain JSON; 2 with pieces) are read as before.
+FORMAT = 4
 PIECES_FORMAT = 2
 FRAMED_FORMAT = 3
+BOUNDED_FORMAT = 4
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
@@ -65,6 +68,19 @@ class Record:
     sections: dict[str, SectionRef] = field(default_factory=dict)
     #: Where this piece of a large span starts, in elements; None for a whole span.
     start: int | None = None
+    #: ``quant`` records: the grid (``ulp`` or ``abs``) and its scale.
+    grid: str | None = None
+    scale: float | None = None
+    #: Format 4: the error bound the tensor was saved under (``{"abs": a, "rel": r}``, either
+    #: or both), and, where the restored words differ from the saved ones, the largest errors
+    #: (``{"abs": ..., "rel": ...}``) measured at the save.
+    bound: dict[str, float] | None = None
+    error: dict[str, float] | None = None
+
+    @property
+    def lossy(self) -> bool:
+        """Whether this step restores other values than were saved (within ``bound``)."""
+        return self.error is not None
 
     @property
     def span(self) -> str:
@@ -82,7 +98,7 @@ class Record:
     @property
     def density(self) -> float:
         """Fraction of words that changed against the reference (1 for a keyframe record)."""
-        if self.codec == "key":
+        if self.ref is None:
             return 1.0
         words = self.numel * dtypes.by_name(self.dtype).words_per_element
         return self.count / words if words else 0.0
@@ -100,7 +116,7 @@ class Manifest:
     seconds: float
     skeleton: Any
     records: list[Record]
-    format: int = FORMAT
+    format: int = FRAMED_FORMAT
     #: The blob the step was first written with: what checkpoint entries name the step by.
     #: Set when a re-base moved the step into a new blob; None means ``blob``.
     origin: str | None = None
@@ -130,6 +146,10 @@ class Manifest:
                 out.append([r])
         return out
 
+    @property
+    def lossy(self) -> bool:
+        return any(r.lossy for r in self.records)
+
     def refs(self) -> set[int]:
         return {r.ref for r in self.records if r.ref is not None}
 
@@ -147,13 +167,19 @@ class Manifest:
         if body["origin"] is None:
             del body["origin"]
         for r in body["records"]:
-            if r["start"] is None:
-                del r["start"]
+            for key in ("start", "grid", "scale", "bound", "error"):
+                if r[key] is None:
+                    del r[key]
         canon = _canonical(body)
         text = _canonical({"body": body, "blake2b": content_hash(canon)})
         if self.format < FRAMED_FORMAT:
             return text
         return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
+
+
+def format_for(records: list[Record]) -> int:
+    """The format a manifest of ``records`` is written in: the oldest that holds them."""
+    return BOUNDED_FORMAT if any(r.bound is not None for r in records) else FRAMED_FORMAT
 
 
 def _canonical(obj: Any) -> bytes:
@@ -252,6 +278,36 @@ def _check_pieces(m: Manifest) -> None:
         prev = r
 
 
+def _bound(d: Any) -> dict[str, float]:
+    return quant.Bound.from_dict(d).as_dict()
+
+
+def _errors(d: Any) -> dict[str, float]:
+    if not isinstance(d, dict) or set(d) != {"abs", "rel"}:
+        raise ValueError(f"not a record's errors: {d!r}")
+    out = {k: float(v) for k, v in d.items()}
+    if not all(0.0 <= v < float("inf") for v in out.values()):
+        raise ValueError(f"errors out of range: {d!r}")
+    return out
+
+
+def _check_quant(rec: Record) -> None:
+    if rec.dtype not in quant.FLOATS or rec.bound is None:
+        raise FormatError(f"quant record of dtype {rec.dtype} or without a bound",
+                          tensor=rec.name)
+    ok = rec.scale is not None and 0.0 < rec.scale < float("inf")
+    if rec.grid == "ulp":
+        ok = ok and rec.scale == int(rec.scale) and 3 <= rec.scale < 2.0 ** 62
+    elif rec.grid != "abs":
+        ok = False
+    if not ok or rec.residual is not None:
+        raise FormatError(f"quant record with grid {rec.grid!r}, scale {rec.scale!r}",
+                          tensor=rec.name)
+    if ("fixes" in rec.sections) != ("exact" in rec.sections):
+        raise FormatError("quant record has fixes without exact words, or the reverse",
+                          tensor=rec.name)
+
+
 def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
     dt = dtypes.by_name(r["dtype"])
     rec = Record(
@@ -261,6 +317,10 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         residual=None if r["residual"] is None else str(r["residual"]),
         count=_int(r["count"], 0, MAX_ELEMENTS),
         start=None if r.get("start") is None else _int(r["start"], 0, MAX_ELEMENTS),
+        grid=None if r.get("grid") is None else str(r["grid"]),
+        scale=None if r.get("scale") is None else float(r["scale"]),
+        bound=None if r.get("bound") is None else _bound(r["bound"]),
+        error=None if r.get("error") is None else _errors(r["error"]),
         sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
                                 [_int(n, 1) for n in s["frames"]])
                   for k, s in r["sections"].items()},
@@ -273,18 +333,37 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
                           tensor=rec.name) from None
     if rec.codec not in codec.CODECS or rec.residual not in (None, *codec.RESIDUALS):
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
-    if (rec.ref is None) != (rec.codec == "key") or (rec.ref is not None and rec.ref >= b["step"]):
+    if (rec.bound is not None or rec.error is not None) and b["format"] < BOUNDED_FORMAT:
+        raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)
+    if rec.error is not None and rec.bound is None:
+        raise FormatError("record has errors but no bound", tensor=rec.name)
+    if rec.codec == "quant":
+        _check_quant(rec)
+    elif rec.grid is not None or rec.scale is not None:
+        raise FormatError(f"{rec.codec} record names a grid", tensor=rec.name)
+    keyed = rec.codec == "key" or (rec.codec == "quant" and rec.ref is None)
+    if (rec.ref is None) != keyed or (rec.ref is not None and rec.ref >= b["step"]):
         raise FormatError("record's reference step is missing or not earlier", tensor=rec.name)
     if rec.count > words:
         raise FormatError("record claims more changed words than it has", tensor=rec.name)
-    expected = {"key": {"values": words}, "dense": {"values": words}, "same": {},
-                "sparse": {"values": rec.count, "positions": None}}[rec.codec]
+    if rec.codec == "quant":
+        expected = {"values": rec.count if "positions" in rec.sections else words}
+        expected.update({k: None for k in ("positions", "fixes") if k in rec.sections})
+        if "fixes" in rec.sections:
+            expected["exact"] = rec.sections["exact"].raw // dt.word_bytes \
+                if "exact" in rec.sections else 0
+    else:
+        expected = {"key": {"values": words}, "dense": {"values": words}, "same": {},
+                    "sparse": {"values": rec.count, "positions": None}}[rec.codec]
     if set(rec.sections) != set(expected):
         raise FormatError(f"{rec.codec} record has sections {sorted(rec.sections)}",
                           tensor=rec.name)
     for name, sec in rec.sections.items():
+        if name == "exact" and (expected[name] > words or sec.raw % dt.word_bytes):
+            raise FormatError("exact words of a quant record are not whole words, or too many",
+                              tensor=rec.name)
         limit = expected[name] * dt.word_bytes if expected[name] is not None \
-            else 64 + 32 * rec.count
+            else 64 + 32 * (rec.count if name == "positions" else expected["exact"])
         frames.check_table(sec.raw, sec.chunk, sec.frames, limit=limit)
         if expected[name] is not None and sec.raw != limit:
             raise FormatError(f"section {name!r} holds {sec.raw} bytes, expected {limit}",

@@ -40,3 +40,21 @@ def detour(state: dict) -> dict:
     sd["w"] = sd["tied"] = w
     sd["f"] = sd["f"] - 2.0**-9
     return {**state, "model": sd}
+
+
+def lossy_states() -> list[dict]:
+    """The golden states plus a tensor of edge values (NaN, Inf, zeros of both signs,
+    subnormals), for chain-v4: error-bounded records."""
+    out = []
+    for step, state in enumerate(golden_states()):
+        edge = (torch.arange(4096) % 509 - 254).to(torch.float32) / 16
+        edge[::401] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40,
+                                    -3e-39, 1.5, -2.25, 1000.0, 7.0])
+        edge = edge * (1 + step / 8)  # subnormals change: they can only be stored exactly
+        out.append({**state, "edge": edge})
+    return out
+
+
+#: chain-v4's bounds: relative on bf16 and fp32, absolute on fp32, one on integers (kept exact).
+LOSSY_BOUNDS = {"model/w": ("rel", 1e-2), "model/f": ("abs", 2.0**-12), "edge": ("rel", 1e-3),
+                "counts": ("rel", 1e-3)}

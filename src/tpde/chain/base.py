@@ -204,7 +204,7 @@ class ChainBase:
         while True:
             if rec.codec != "same":
                 out.append((at, rec))
-                if rec.codec == "key":
+                if rec.ref is None:  # a keyframe record (exact, or error-bounded)
                     return out[::-1]
             at, rec = rec.ref, self._record(rec.ref, name, step)
 

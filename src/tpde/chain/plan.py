@@ -130,7 +130,7 @@ def keyed_at(manifests: Mapping[int, Manifest], step: int, name: str
         rec = m.record(name) if m is not None else None
         if rec is None:
             return None
-        if rec.codec == "key":
+        if rec.ref is None:  # a keyframe record (exact, or error-bounded)
             return n, at
         if rec.codec != "same":
             n += 1
@@ -191,7 +191,7 @@ def _held_as_key(manifests: Mapping[int, Manifest], step: int, rec: Record) -> b
     at = holder(step, rec)
     m = manifests.get(at)
     data = m.record(rec.name) if m is not None else None
-    return data is not None and data.codec == "key"
+    return data is not None and data.ref is None
 
 
 # ---------------------------------------------------------------- bytes at rest

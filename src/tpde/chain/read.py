@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import codec, dtypes, elias, frames, tree
-from ..errors import CorruptionError, FormatError, TPDEError
+from .. import codec, dtypes, elias, frames, quant, tree
+from ..errors import CorruptionError, FormatError, LossyWarning, TPDEError
 from ..manifest import Manifest, Record, content_hash
 from .base import ChainBase, Problem, Progress
 from .plan import batches
@@ -79,7 +80,8 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU |
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
     return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                        positions=positions, inplace=True, backend=backend)
+                        positions=positions, inplace=True, backend=backend,
+                        grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None)
 
 
 def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
@@ -123,6 +125,29 @@ def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
         whole[at : at + part.numel()].copy_(part)
         at += part.numel()
     return whole
+
+
+def lossy_summary(records: Iterable[Record]) -> str | None:
+    """What an error-bounded step restores, in a line (None: every record is exact)."""
+    lossy: dict[str, Record] = {}
+    for r in records:
+        if r.error is not None:
+            lossy.setdefault(r.span, r)
+    if not lossy:
+        return None
+    worst = max(lossy.values(), key=lambda r: r.error["rel"])
+    bounds = sorted({str(quant.Bound.from_dict(r.bound)) for r in lossy.values()})
+    return (f"{len(lossy)} tensor{'s' if len(lossy) > 1 else ''} restored within "
+            f"{' / '.join(bounds)} of the saved values, not bit-exact (largest relative error "
+            f"{worst.error['rel']:.3g}, in {worst.span!r})")
+
+
+def warn_lossy(run: str, step: int, records: Iterable[Record]) -> None:
+    """Said once per step and place: a lossy restore is never silent."""
+    said = lossy_summary(records)
+    if said is not None:
+        warnings.warn(LossyWarning(f"run {run!r}, step {step} was saved with an error bound: "
+                                   f"{said}"), stacklevel=3)
 
 
 class Reader(ChainBase):
@@ -348,8 +373,9 @@ class Reader(ChainBase):
                                 run=self.url, step=step)
         used = tree.span_indices(skeleton)
         groups = m.spans()
-        words = self.materialize(step, [r.name for i in sorted(used) if i < len(groups)
-                                        for r in groups[i]], progress=progress)
+        wanted = [r for i in sorted(used) if i < len(groups) for r in groups[i]]
+        warn_lossy(self.url, step, wanted)
+        words = self.materialize(step, [r.name for r in wanted], progress=progress)
         spans = []
         for i, recs in enumerate(groups):
             if i not in used:

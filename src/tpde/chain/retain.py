@@ -17,7 +17,7 @@ from typing import Iterable
 
 from .. import codec, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
-from ..manifest import FORMAT, Manifest, Record
+from ..manifest import Manifest, Record, format_for
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name, numbered
 from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
                    readers_of, record_depth)
@@ -78,7 +78,7 @@ class Retainer(Writer):
                 ref = src.ref if src.codec == "same" else w.against
                 new_records[w.name] = dataclasses.replace(old.record(w.name), codec="same",
                                                           ref=ref, residual=None, count=0,
-                                                          sections={})
+                                                          grid=None, scale=None, sections={})
         if all(w.how == "same" for w in rewrites):
             self._replace(old, self._summed(dataclasses.replace(old, records=[
                 new_records.get(r.name, r) for r in old.records])))
@@ -97,10 +97,10 @@ class Retainer(Writer):
         except BaseException:
             writer.abort()
             raise
+        records = [new_records.get(r.name, r) for r in old.records]
         self._replace(old, self._summed(dataclasses.replace(
             old, blob=blob_rel, blob_size=writer.size, origin=old.id,
-            format=FORMAT,
-            records=[new_records.get(r.name, r) for r in old.records])))
+            format=format_for(records), records=records)))
 
     def _summed(self, m: Manifest) -> Manifest:
         """``m`` with its step-level summary (keyframe, parent, depth) taken from its records."""
@@ -128,8 +128,10 @@ class Retainer(Writer):
         for at, pairs in held.items():
             for (r, key), framed in zip(pairs, self._fetch(self.manifest(at),
                                                            [k for _, k in pairs])):
-                out.append((dataclasses.replace(r, codec="key", ref=None, residual=None,
-                                                count=0, hash=key.hash), _sections(key, framed)))
+                out.append((dataclasses.replace(r, codec=key.codec, ref=None,
+                                                residual=key.residual, count=key.count,
+                                                grid=key.grid, scale=key.scale, hash=key.hash),
+                            _sections(key, framed)))
         if recode:
             words = self.materialize(old.step, [r.name for r in recode])
             against: dict[int, list[str]] = {}
@@ -149,9 +151,11 @@ class Retainer(Writer):
                     src = self.manifest(v).record(r.name)
                     ref = src.ref if src.codec == "same" else v
                 else:
-                    ref = None if enc.codec == "key" else v
+                    ref = None if enc.keyed else v
+                # Coded exactly: the step keeps the words it restored (and its bound and errors).
                 out.append((dataclasses.replace(r, codec=enc.codec, ref=ref,
-                                                residual=enc.residual, count=enc.count),
+                                                residual=enc.residual, count=enc.count,
+                                                grid=None, scale=None),
                             enc.sections))
         return out
 

@@ -8,12 +8,13 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
-from .. import codec, dtypes, frames, tree
+from .. import codec, dtypes, frames, quant, tree
 from ..errors import StepExistsError, TPDEError
-from ..manifest import Manifest, Record, SectionRef, content_hash, parse
+from ..manifest import Manifest, Record, SectionRef, content_hash, format_for, parse
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
 from .plan import Candidate, Piece, keyed_at, pieces, plan_keys
@@ -61,7 +62,9 @@ class Writer(Reader):
 
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
               settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
-              max_inflight_bytes: int = 256 << 20, owned: bool = False) -> tuple[Manifest, Reference]:
+              max_inflight_bytes: int = 256 << 20, owned: bool = False,
+              bounds: Callable[[str], quant.Bound | None] | None = None
+              ) -> tuple[Manifest, Reference]:
         """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
 
         With ``keep_reference`` the returned reference holds a host copy of every tensor, and
@@ -71,7 +74,9 @@ class Writer(Reader):
         of tensors (and at least one piece) are being encoded at once; spans larger than half
         of it, or than ``PIECE_BYTES``, are stored in pieces. Callers drop the reference if
         this raises. ``owned`` says the spans are private host copies (a snapshot), so they
-        become the next reference as they are instead of being copied again.
+        become the next reference as they are instead of being copied again. ``bounds`` gives
+        the error bound of a span by name (None: exact); an error-bounded record's restored
+        words, not the saved ones, become the next step's reference (error feedback).
         """
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
@@ -92,7 +97,8 @@ class Writer(Reader):
         new_words: dict[str, torch.Tensor] = {}
         deepest = 0
 
-        def encode(piece: Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str]:
+        def encode(piece: Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str,
+                                          quant.Bound | None]:
             dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
             w = dt.words_per_element
             words = codec.to_words(piece.span.tensor.detach(), dt.word_dtype)
@@ -105,25 +111,31 @@ class Writer(Reader):
                 ref_words = None
             elif not keep_reference:
                 ref_words = self._stored_words(reference, piece.name)
-            enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings)
+            bound = bounds(piece.span.name) if bounds is not None else None
+            enc = codec.encode(words if words.is_cuda else host, ref_words, dt.kind, settings,
+                               bound=bound, dtype=dt.name)
+            if enc.words is not None:  # error-bounded: what a reader rebuilds
+                host = enc.words.to("cpu")
             # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
             digest = (prev_m.record(piece.name).hash if enc.codec == "same"
                       else content_hash(host.view(torch.uint8).numpy()))
-            return dt, host if keep_reference else None, enc, digest
+            return dt, host if keep_reference else None, enc, digest, bound
 
-        def commit(piece: Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str]
-                   ) -> None:
+        def commit(piece: Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str,
+                                             quant.Bound | None]) -> None:
             nonlocal deepest
-            dt, host, enc, digest = done
+            dt, host, enc, digest, bound = done
             ref, d = None, 0
-            if enc.codec != "key":
+            if not enc.keyed:
                 prev = prev_m.record(piece.name)
                 d = depths[piece.name] + (enc.codec != "same")
                 ref = prev.ref if enc.codec == "same" and prev.codec == "same" else prev_m.step
             deepest = max(deepest, d)
             records.append(Record(piece.name, dt.name, piece.hi - piece.lo, piece.span.device,
                                   enc.codec, digest, ref, enc.residual, enc.count,
-                                  put_sections(writer, enc.sections), piece.start))
+                                  put_sections(writer, enc.sections), piece.start,
+                                  enc.grid, enc.scale, bound.as_dict() if bound else None,
+                                  dict(zip(("abs", "rel"), enc.error)) if enc.error else None))
             if host is not None:
                 new_words[piece.name] = host
 
@@ -155,7 +167,7 @@ class Writer(Reader):
             step=step, keyframe=self_contained, depth=deepest,
             parent=None if self_contained else prev_m.step, blob=blob_rel,
             blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
-            records=records,
+            records=records, format=format_for(records),
         )
         m.seconds = time.perf_counter() - started
         m = self.commit(m)
