@@ -17,7 +17,8 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from . import __version__, dtypes, report, tree
+from . import __version__, dtypes, tree
+from . import report as show
 from . import entry as entries
 from .api import Checkpointer, Snapshot
 from .against import distances
@@ -26,7 +27,7 @@ from .errors import LossyWarning, TPDEError
 from .lease import Lease
 from .mount import weights_key
 
-err = report.err
+err = show.err
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -64,7 +65,7 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
     rows, damaged = [], []
     for s in chain.steps():  # one damaged manifest must not hide the others
         try:
-            rows.append(report.step_row(chain.manifest(s)))
+            rows.append(show.step_row(chain.manifest(s)))
         except TPDEError as exc:
             damaged.append({"step": s, "error": exc.detail})
     raw = sum(r["raw_bytes"] for r in rows)
@@ -89,18 +90,18 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
             continue
         kind = ("key" if r["keyframe"] else f"delta<-{r['parent']}" + (
             " (hidden)" if r["parent"] in hidden else "")) + (" LOSSY" if r["lossy"] else "")
-        table.add_row(str(r["step"]), kind, report.mb(r["raw_bytes"]), report.mb(r["stored_bytes"]),
+        table.add_row(str(r["step"]), kind, show.mb(r["raw_bytes"]), show.mb(r["stored_bytes"]),
                       f"{r['ratio']:.2f}x",
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
-    report.out().print(table)
+    show.out().print(table)
     if named is not None:
-        report.entries_table(chain, named)
-    print(f"total: {report.mb(raw)} raw, {report.mb(stored)} stored, {raw / max(1, stored):.2f}x")
+        show.entries_table(chain, named)
+    print(f"total: {show.mb(raw)} raw, {show.mb(stored)} stored, {raw / max(1, stored):.2f}x")
     lossy = [r["step"] for r in rows if r["lossy"]]
     if lossy:
-        print(f"LOSSY: {report.steps_text(lossy)} step(s) restore within an error bound, not bit-exactly "
+        print(f"LOSSY: {show.steps_text(lossy)} step(s) restore within an error bound, not bit-exactly "
               f"(`tpde info {args.run} --step N` gives the bounds and errors)")
-    print(report.at_rest_line(rest))
+    print(show.at_rest_line(rest))
     if damaged:
         print(f"{len(damaged)} step(s) cannot be read: `tpde verify {args.run}` says which steps "
               "they break and what to do")
@@ -127,7 +128,7 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
     } for r in m.records]
     rest = chain.at_rest()
     if args.json:
-        print(json.dumps({"run": chain.url, **report.step_row(m), "tensors": tensors,
+        print(json.dumps({"run": chain.url, **show.step_row(m), "tensors": tensors,
                           "at_rest": rest.as_dict()}))
         return 0
     table = Table(title=f"{chain.url} step {m.step} "
@@ -144,13 +145,13 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
                       t["codec"] + (f"/{t['residual'] or r.grid}" if t["residual"] or r.grid
                                     else ""),
                       "" if t["ref"] is None else str(t["ref"]), f"{t['density']:.2%}",
-                      report.mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x",
-                      *((report.bound_cell(r),) if bounded else ()))
-    report.out().print(table)
+                      show.mb(t["stored_bytes"]), "-" if t["ratio"] is None else f"{t['ratio']:.2f}x",
+                      *((show.bound_cell(r),) if bounded else ()))
+    show.out().print(table)
     said = lossy_summary(m.records)
     if said:
         print(f"LOSSY step: {said}")
-    print(report.at_rest_line(rest))
+    print(show.at_rest_line(rest))
     return 0
 
 
@@ -267,7 +268,7 @@ def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
             cause = f" (damage at step {p.step})" if p.step != p.needed_by else ""
             err.print(f"BAD step {p.needed_by}{cause}: {p.message}", markup=False,
                       highlight=False, soft_wrap=True)
-    report.damage_summary(chain, args.run, problems, fine, damaged, depend)
+    show.damage_summary(chain, args.run, problems, fine, damaged, depend)
     return 1
 
 
@@ -304,7 +305,7 @@ def _verify_against(chain: Chain, args: argparse.Namespace) -> int:
         if d.differing or d.bound or args.verbose:
             table.add_row(d.name, d.bound or "exact", f"{d.max_abs:.3g}", f"{d.max_rel:.3g}",
                           str(d.differing), "yes" if d.within else "NO")
-    report.out().print(table)
+    show.out().print(table)
     exact = sum(1 for d in found if not d.differing)
     err.print(f"{len(found)} tensors: {exact} bit-identical, {len(found) - exact - len(bad)} "
               f"within their bound, {len(bad)} outside it" + (f" ({', '.join(bad[:5])})" if bad
@@ -329,7 +330,7 @@ def cmd_gc(chain: Chain, args: argparse.Namespace) -> int:
         print(json.dumps({**vars(report), "hidden_steps": hidden}))
     else:
         note = f"; hid steps no checkpoint entry names: {hidden}" if hidden else ""
-        err.print(f"freed {report.mb(report.freed_bytes)} in {len(report.deleted)} object(s); "
+        err.print(f"freed {show.mb(report.freed_bytes)} in {len(report.deleted)} object(s); "
                   f"purged steps: {report.purged_steps or 'none'}{note}")
     return 0
 
@@ -353,7 +354,7 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
                           "raw_bytes": info.raw_bytes, "stored_bytes": info.stored_bytes}))
     else:
         err.print(f"exported step {step} of {chain.url} to {args.to} as a keyframe "
-                  f"({report.mb(info.stored_bytes)})")
+                  f"({show.mb(info.stored_bytes)})")
     return 0
 
 
