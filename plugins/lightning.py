@@ -394,14 +394,26 @@ def _guard_for(callback_base: type) -> type:
 
 
 def lightning_callbacks() -> list[Any]:
-    """Entry point ``lightning.pytorch.callbacks_factory``: the strategy guard."""
+    """Entry point ``lightning.pytorch.callbacks_factory``: the strategy guard, only where a
+    ``TPDECheckpointIO`` exists.
+
+    Lightning calls none of a CheckpointIO's methods before training, and sharded strategies
+    never call ``save_checkpoint``, so only a callback can refuse them before a step is
+    trained. Lightning asks every installed factory at each ``Trainer(...)``; this one answers
+    nothing unless the process holds a ``TPDECheckpointIO`` (built before the Trainer it is
+    passed to), so installing tpde leaves other trainers as they are: no callback, no message.
+    """
+    if not _LIVE:
+        return []
     from lightning.pytorch.callbacks import Callback
 
     return [_guard_for(Callback)()]
 
 
 def pytorch_lightning_callbacks() -> list[Any]:
-    """Entry point ``pytorch_lightning.callbacks_factory``: the strategy guard."""
+    """Entry point ``pytorch_lightning.callbacks_factory``: as ``lightning_callbacks``."""
+    if not _LIVE:
+        return []
     from pytorch_lightning.callbacks import Callback
 
     return [_guard_for(Callback)()]

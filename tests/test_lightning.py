@@ -464,3 +464,23 @@ def test_error_bound_through_the_plugin_against_torch_files(tmp_path) -> None:
                                      text=True).stdout
     with pytest.raises(tpde.BoundError, match="state_dict/"):
         fit(str(tmp_path / "bad"), tpde.TPDECheckpointIO(error_bound={"model/*": bound}))
+
+
+def test_installing_tpde_leaves_other_trainers_alone(tmp_path) -> None:
+    """A Trainer built without the plugin gets no callback and no message from tpde's entry
+    point; one built after a TPDECheckpointIO gets the strategy guard (a fresh process each)."""
+    script = (
+        "import lightning as L, sys\n"
+        "if sys.argv[1] == 'with':\n"
+        "    import tpde; io = tpde.TPDECheckpointIO(); extra = {'plugins': [io]}\n"
+        "else:\n"
+        "    extra = {}\n"
+        "t = L.Trainer(accelerator='cpu', logger=False, **extra)\n"
+        "print('CALLBACKS', [type(c).__name__ for c in t.callbacks])\n")
+    runs = {how: subprocess.run([sys.executable, "-c", script, how], capture_output=True,
+                                text=True, timeout=300, cwd=tmp_path) for how in ("without", "with")}
+    without, with_plugin = runs["without"], runs["with"]
+    assert without.returncode == 0 and with_plugin.returncode == 0, without.stderr + with_plugin.stderr
+    assert "TPDEStrategyGuard" not in without.stdout + without.stderr
+    assert "entry point 'tpde'" not in without.stdout + without.stderr
+    assert "TPDEStrategyGuard" in with_plugin.stdout

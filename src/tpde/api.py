@@ -25,7 +25,7 @@ def _malloc_trim() -> Any:
 _MALLOC_TRIM = _malloc_trim()
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Hand heap pages freed by an encode back to the OS.
 
     glibc raises its mmap threshold to the size of the large buffers an encode frees and then
@@ -182,7 +182,7 @@ class Checkpointer:
                 max_inflight_bytes=self.max_inflight_bytes, owned=owned, bounds=self.bounds)
         finally:
             del flat
-            _return_freed_memory()
+            return_freed_memory()
         if reference is not None:
             self._collect_hidden(reference.step)
         return StepInfo.of(manifest, self.chain.at_rest().total)

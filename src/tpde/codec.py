@@ -38,6 +38,8 @@ RESIDUALS = ("xor", "sub")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
 SAMPLE_WINDOWS, SAMPLE_WORDS = 16, 8192
+#: Words a dense residual is applied to at a time on the CPU.
+RESIDUAL_SLICE = 1 << 20
 
 
 @dataclass
@@ -332,7 +334,12 @@ class CPU:
         return _words_from(sections, name, word_dtype)
 
     def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-        return apply_residual(ref, r.to(ref.device), how, kind, inplace=True)
+        r = r.to(ref.device)
+        # In slices: the temporaries of a ``sub`` residual stay a few MB whatever the tensor.
+        for lo in range(0, ref.numel(), RESIDUAL_SLICE):
+            apply_residual(ref[lo : lo + RESIDUAL_SLICE], r[lo : lo + RESIDUAL_SLICE], how, kind,
+                           inplace=True)
+        return ref
 
     def positions(self, stream: bytes | bytearray, n: int, decoded: np.ndarray | None,
                   device: torch.device) -> torch.Tensor:
@@ -427,7 +434,9 @@ def _words_from(sections: dict[str, bytes | bytearray], name: str,
                 word_dtype: torch.dtype) -> torch.Tensor:
     if name not in sections:
         raise FormatError(f"record lacks its {name!r} section")
-    data = sections[name]
+    # Taken out of the record's sections: the planes are freed once unshuffled, not held
+    # while the words are applied to the reference.
+    data = sections.pop(name)
     if not isinstance(data, bytearray):
         data = bytearray(data)
     planes = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -115,12 +115,14 @@ DECOMPRESS_GROUP = 32
 
 
 def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
-               threads: int | None = None) -> bytearray:
+               threads: int | None = None, group: int | None = None) -> bytearray:
     """Decompress frames back to one stream of exactly ``raw`` bytes.
 
     The expected size of every chunk is passed to zstd, so a frame that claims or produces more
-    is refused before anything large is allocated.
+    is refused before anything large is allocated. ``group`` frames (default
+    ``DECOMPRESS_GROUP``) are decompressed at a time, beside the result.
     """
+    group_of = group or DECOMPRESS_GROUP
     sizes = raw_sizes(raw, chunk)
     if len(sizes) != len(frames):
         raise FormatError("chunk count does not match the stream's raw size")
@@ -144,10 +146,10 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
         view, at = memoryview(whole), 0
         # On all cores, a group of frames at a time, straight into the result: what is held
         # beside it stays small however large the stream.
-        for i in range(0, len(frames), DECOMPRESS_GROUP):
-            group = sizes[i : i + DECOMPRESS_GROUP]
+        for i in range(0, len(frames), group_of):
+            group = sizes[i : i + group_of]
             parts: Any = dctx.multi_decompress_to_buffer(
-                list(frames[i : i + DECOMPRESS_GROUP]), threads=threads or default_threads(),
+                list(frames[i : i + group_of]), threads=threads or default_threads(),
                 decompressed_sizes=struct.pack(f"={len(group)}Q", *group))
             for part, n in zip(parts, group):
                 if len(part) != n:

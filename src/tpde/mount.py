@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import dtypes
+from .api import return_freed_memory
 from . import entry as entries
 from .chain import Chain, span_words
 from .errors import CorruptionError, TPDEError
@@ -256,8 +257,10 @@ class Mount:
         slots = self.slots[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
+        # At budget 0 memory comes first: one batch of a step at a time, not the next one
+        # decompressed beside it.
         words = self.chain.materialize(self.step, {n for *_, s in slots for n in s.records},
-                                       check=check, on=self.on)
+                                       check=check, on=self.on, look_ahead=self.budget != 0)
         self._checked.add(name)
         out, spans = {}, {}
         for *_, s in slots:
@@ -356,12 +359,18 @@ class Mount:
         # Modules still running (the ancestors of the one that just finished) keep theirs;
         # pinned modules go last.
         idle = [n for n in self._lru if n not in self._active]
+        released = False
         for victim in [n for n in idle if n not in self._pinned] + \
                 [n for n in idle if n in self._pinned]:
             if self._resident() <= self.budget:
                 break
             del self._lru[victim]
             self._release(victim)
+            released = True
+        if released and self.on is None:
+            # Decodes free large buffers that glibc would otherwise keep: give them back, so
+            # that a small budget bounds the process, not only the weights it holds.
+            return_freed_memory()
 
     def _ahead(self, name: str) -> None:
         if self._pool is None:

@@ -51,6 +51,21 @@ def _done(value: Any) -> Future:
     return f
 
 
+#: Frames decompressed at a time beside the result when memory comes first (``look_ahead``
+#: off): 1 MiB of 256 KiB chunks.
+LEAN_GROUP = 4
+
+
+class _LazyResult:
+    """A batch prepared when its result is asked for, not beside the one before."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def result(self) -> Any:
+        return self.fn(*self.args)
+
+
 def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
     def run(*args: Any) -> Any:
@@ -61,10 +76,10 @@ def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _decompress(r: Record, framed: dict[str, list[memoryview]], values_elsewhere: bool = False
-                ) -> dict[str, bytes]:
+def _decompress(r: Record, framed: dict[str, list[memoryview]], values_elsewhere: bool = False,
+                group: int | None = None) -> dict[str, bytes]:
     """The record's sections decompressed here (without its values where a GPU decodes them)."""
-    return {name: frames.decompress(fr, s.raw, s.chunk)
+    return {name: frames.decompress(fr, s.raw, s.chunk, group=group)
             for (name, s), fr in zip(r.sections.items(), framed.values())
             if not (values_elsewhere and name == "values")}
 
@@ -186,8 +201,8 @@ class Reader(ChainBase):
     def materialize(self, step: int, names: Iterable[str] | None = None, *,
                     problems: list[Problem] | None = None, check_every: bool = False,
                     check: bool = True, progress: Progress | None = None,
-                    on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES
-                    ) -> dict[str, torch.Tensor]:
+                    on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES,
+                    look_ahead: bool = True) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
@@ -197,7 +212,8 @@ class Reader(ChainBase):
         host). A mismatch is traced back to the first damaged step either way. With
         ``problems`` given, damaged tensors are reported there and skipped instead of raised.
         Each step is read and decompressed in batches of about ``batch_bytes`` of words, so
-        that beside the words themselves a rebuild holds two batches, not two steps.
+        that beside the words themselves a rebuild holds two batches, not two steps
+        (``look_ahead=False``: one, prepared only when the one before is rebuilt).
 
         A read that finds data gone because the run's writer re-based the steps it reads
         (``gc``) starts again from the rewritten manifests: the words are the same.
@@ -207,7 +223,7 @@ class Reader(ChainBase):
             found: list[Problem] | None = None if problems is None else []
             try:
                 words = self._materialize(step, names, found, check_every, check, progress, on,
-                                          batch_bytes)
+                                          batch_bytes, look_ahead)
             except CorruptionError:
                 if self._stale():
                     continue
@@ -222,7 +238,8 @@ class Reader(ChainBase):
 
     def _materialize(self, step: int, names: set[str] | None, problems: list[Problem] | None,
                      check_every: bool, check: bool, progress: Progress | None,
-                     on: torch.device | None, batch_bytes: int) -> dict[str, torch.Tensor]:
+                     on: torch.device | None, batch_bytes: int, look_ahead: bool
+                     ) -> dict[str, torch.Tensor]:
         """``materialize``, once."""
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in names]
@@ -267,7 +284,7 @@ class Reader(ChainBase):
             recs = [r for r, _ in todo]
             on_gpu = backend is not None and backend.nvcomp
             sections = list(pool.map(_attempt(_decompress), recs, fetched,
-                                     [on_gpu] * len(recs)))
+                                     [on_gpu] * len(recs), [group] * len(recs)))
             if on_gpu:
                 backend.add_values(sections, [
                     (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
@@ -277,13 +294,16 @@ class Reader(ChainBase):
             return todo, sections, self._positions(recs, sections)
 
         pool, ahead = _pools()
+        # Without look-ahead memory comes first: a few frames decompressed at a time.
+        group = None if look_ahead else LEAN_GROUP
         if units:
-            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 else \
+            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else \
                 _done(prepare(units[0]))
             for k, (at, batch) in enumerate(units):
                 prepared = upcoming.result()
                 if k + 1 < len(units):
-                    upcoming = ahead.submit(prepare, units[k + 1])
+                    upcoming = ahead.submit(prepare, units[k + 1]) if look_ahead else \
+                        _LazyResult(prepare, units[k + 1])
                 if isinstance(prepared, TPDEError):
                     for r, _ in batch:
                         if r.name not in failed:
