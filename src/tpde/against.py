@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import dtypes, quant, tree
+from . import codec, dtypes, quant, tree
 from .errors import TPDEError
 from .manifest import Manifest
 
@@ -58,7 +58,8 @@ def distances(m: Manifest, restored: Any, dense: Any) -> list[Distance]:
         if fdt is None:
             out.append(Distance(span.name, None, 0.0, 0.0, differing, differing == 0))
             continue
-        xw, yw = _words(x), _words(y)
+        word = known.word_dtype
+        xw, yw = codec.to_words(x, word), codec.to_words(y, word)
         max_abs, max_rel = quant.errors(xw, yw, fdt)
         ok = differing == 0 or (b is not None and all(
             bool(quant.within(xw[i:i + quant.BLOCK], yw[i:i + quant.BLOCK], fdt, b).all())
@@ -66,10 +67,3 @@ def distances(m: Manifest, restored: Any, dense: Any) -> list[Distance]:
         out.append(Distance(span.name, str(b) if b else None, max_abs, max_rel, differing, ok))
     return out
 
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    width = {8: torch.int64, 4: torch.int32, 2: torch.int16}
-    one = t.contiguous().reshape(-1)
-    if t.is_complex():
-        one = torch.view_as_real(one).reshape(-1)
-    return one.view(torch.uint8).view(width[one.element_size()])

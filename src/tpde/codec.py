@@ -216,10 +216,11 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
     on evenly spaced samples and only the winner is encoded in full. With a ``bound`` on a
     floating-point ``dtype`` the best exact coding competes with the error-bounded ones.
     """
-    exact = _encode_exact(new, ref, kind, settings or Settings())
+    s = settings or Settings()
+    exact = _encode_exact(new, ref, kind, s)
     if bound is None or dtype is None or not quant.applies(dtype) or exact.codec == "same":
         return exact
-    lossy = _encode_quant(new, ref, dtype, bound, settings or Settings())
+    lossy = _encode_quant(new, ref, dtype, bound, s)
     if lossy is None or lossy.stored >= exact.stored:
         return exact
     lossy.error = quant.errors(new, lossy.words, quant.FLOATS[dtype][0])

@@ -6,7 +6,7 @@ import os
 import threading
 import warnings
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import torch
@@ -45,25 +45,9 @@ def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         return _pools_of[pid]
 
 
-def _done(value: Any) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
-
-
 #: Frames decompressed at a time beside the result when memory comes first (``look_ahead``
 #: off): 1 MiB of 256 KiB chunks.
 LEAN_GROUP = 4
-
-
-class _LazyResult:
-    """A batch prepared when its result is asked for, not beside the one before."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.fn, self.args = fn, args
-
-    def result(self) -> Any:
-        return self.fn(*self.args)
 
 
 def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -297,13 +281,11 @@ class Reader(ChainBase):
         # Without look-ahead memory comes first: a few frames decompressed at a time.
         group = None if look_ahead else LEAN_GROUP
         if units:
-            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else \
-                _done(prepare(units[0]))
+            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else None
             for k, (at, batch) in enumerate(units):
-                prepared = upcoming.result()
-                if k + 1 < len(units):
-                    upcoming = ahead.submit(prepare, units[k + 1]) if look_ahead else \
-                        _LazyResult(prepare, units[k + 1])
+                prepared = upcoming.result() if upcoming is not None else prepare(units[k])
+                upcoming = ahead.submit(prepare, units[k + 1]) \
+                    if look_ahead and k + 1 < len(units) else None
                 if isinstance(prepared, TPDEError):
                     for r, _ in batch:
                         if r.name not in failed:
