@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -10,31 +9,10 @@ from typing import Any, Iterable
 import torch
 
 from . import codec, dtypes, frames, quant, tree
+from .heap import return_freed_memory
 from .chain import DEFAULT_KEYFRAME_EVERY, Chain, GcReport, Problem, Reference
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest
-
-
-def _malloc_trim() -> Any:
-    try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):  # no C library to ask (Windows): nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def return_freed_memory() -> None:
-    """Hand heap pages freed by an encode back to the OS.
-
-    glibc raises its mmap threshold to the size of the large buffers an encode frees and then
-    keeps such buffers in its heaps, so without this a long run's writer holds several states'
-    worth of idle memory (measured over 20 saves of a 46 MB bf16 state: about 550 MB, 110 MB
-    with it).
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def check_reference(reference: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import elias, frames, quant
+from . import elias, frames, heap, quant
 from .errors import FormatError
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
@@ -103,6 +103,45 @@ def shuffle(words: torch.Tensor) -> torch.Tensor:
     return planes.reshape(-1)
 
 
+def _planes_into(stream: frames.Framed, n: int, lo: int, out: np.ndarray) -> None:
+    """Words ``lo:lo + len(out)`` of a shuffled stream of ``n`` words into ``out`` (their
+    bytes, one row per word), decompressing only the frames that hold them."""
+    for k in range(out.shape[1]):
+        stream.read_into(k * n + lo, out[:, k])
+
+
+def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tensor:
+    """The words of a shuffled stream, read frame by frame: no copy of the planes beside them."""
+    width = torch.empty(0, dtype=word_dtype).element_size()
+    if len(stream) % width:
+        raise FormatError("byte planes do not hold a whole number of words")
+    n = len(stream) // width
+    words = torch.from_numpy(heap.outside_heap(n * width)).view(word_dtype)
+    if n:
+        _planes_into(stream, n, 0, words.view(torch.uint8).numpy().reshape(n, width))
+    return words
+
+
+def apply_streamed(ref: torch.Tensor, stream: frames.Framed, how: str, kind: str
+                   ) -> torch.Tensor:
+    """``apply_residual`` in place with the residual read from its frames a slice at a time:
+    beside ``ref`` a decode holds one slice and the few frames under it."""
+    n, width = ref.numel(), ref.element_size()
+    if len(stream) != n * width:
+        raise FormatError(f"dense residual holds {len(stream)} bytes where {n * width} are "
+                          f"expected")
+    per = stream.chunk  # words per slice: each plane's part spans at most two frames
+    stream.keep = 2 * width + 2  # so that a frame straddling two slices is decompressed once
+    scratch = heap.outside_heap(2 * min(per, n) * width).reshape(2, -1, width)
+    # No allocation per slice: the residual's bytes and the temporaries reuse two buffers.
+    for lo in range(0, n, per):
+        m = min(per, n - lo)
+        _planes_into(stream, n, lo, scratch[0, :m])
+        r, tmp = (torch.from_numpy(b[:m]).view(ref.dtype).reshape(-1) for b in scratch)
+        apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
+    return ref
+
+
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     width = torch.empty(0, dtype=word_dtype).element_size()
     if planes.numel() % width:
@@ -133,16 +172,20 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     return d.bitwise_left_shift_(1).bitwise_xor_(sign)
 
 
-def _order_(words: torch.Tensor) -> torch.Tensor:
-    """The order-preserving integer image of float bits, in place (an involution)."""
-    top = words >> (words.element_size() * 8 - 1)
-    top &= (1 << (words.element_size() * 8 - 1)) - 1
+def _order_(words: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """The order-preserving integer image of float bits, in place (an involution); ``tmp``
+    (words of the same shape) spares an allocation."""
+    bits = words.element_size() * 8
+    top = torch.bitwise_right_shift(words, bits - 1, out=tmp) if tmp is not None \
+        else words >> (bits - 1)
+    top &= (1 << (bits - 1)) - 1
     return words.bitwise_xor_(top)
 
 
 def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
-                   inplace: bool = False) -> torch.Tensor:
-    """Inverse of ``residual``.  With ``inplace`` both ``ref`` and ``r`` are overwritten."""
+                   inplace: bool = False, tmp: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of ``residual``.  With ``inplace`` both ``ref`` and ``r`` are overwritten;
+    ``tmp`` (words shaped as ``r``) is used for the temporaries instead of new tensors."""
     out = ref if inplace else ref.clone()
     if how == "xor":
         return out.bitwise_xor_(r)
@@ -150,10 +193,10 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
         raise FormatError(f"unknown residual {how!r} for {kind} words")
     bits = r.element_size() * 8
     d = r if inplace else r.clone()
-    sign = (d & 1).neg_()
+    sign = torch.bitwise_and(d, 1, out=tmp).neg_() if tmp is not None else (d & 1).neg_()
     d.bitwise_right_shift_(1).bitwise_and_((1 << (bits - 1)) - 1).bitwise_xor_(sign)
     if kind == "float":
-        return _order_(_order_(out).add_(d))
+        return _order_(_order_(out, tmp).add_(d), tmp)
     return out.add_(d)
 
 
@@ -390,6 +433,9 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
         raise FormatError(f"{codec} record has no usable reference")
     if codec == "same":
         return ref
+    if codec == "dense" and isinstance(sections.get("values"), frames.Framed):
+        return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
+                              kind)
     r = do.words(sections, "values", word_dtype)
     out = ref if inplace or backend is not None else ref.clone()
     if codec == "dense":
@@ -438,6 +484,8 @@ def _words_from(sections: dict[str, bytes | bytearray], name: str,
     # Taken out of the record's sections: the planes are freed once unshuffled, not held
     # while the words are applied to the reference.
     data = sections.pop(name)
+    if isinstance(data, frames.Framed):
+        return streamed_words(data, word_dtype)
     if not isinstance(data, bytearray):
         data = bytearray(data)
     planes = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -13,8 +13,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import zstandard
 
+from . import heap
 from .errors import FormatError
 
 DEFAULT_CHUNK = 256 * 1024
@@ -159,3 +161,61 @@ def decompress(frames: list[memoryview | bytes], raw: int, chunk: int, *,
     except zstandard.ZstdError as exc:
         raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
     return whole
+
+
+class Framed:
+    """A section's frames, decompressed only as its bytes are asked for.
+
+    What a decode reads when memory comes first (a mount at budget 0): the stream is never
+    held whole beside the words it becomes, and ``frames`` may be a sequence that reads each
+    frame from the store only when it is asked for. Frames are decompressed into a few reused
+    buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
+    plane, slice after slice, decompresses each frame once.
+    """
+
+    def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int) -> None:
+        self.sizes = raw_sizes(raw, chunk)
+        if len(self.sizes) != len(frames):
+            raise FormatError("chunk count does not match the stream's raw size")
+        self.frames, self.raw, self.chunk = frames, raw, chunk
+        self.keep = 2  # enough to read planes in order; a slice-wise reader asks for more
+        self._dctx = zstandard.ZstdDecompressor()
+        self._held: dict[int, np.ndarray] = {}  # frame index -> its buffer, oldest first
+        self._spare: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.raw
+
+    def _frame(self, i: int) -> np.ndarray:
+        n = self.sizes[i]
+        if i in self._held:
+            return self._held[i][:n]
+        while len(self._held) >= self.keep:
+            self._spare.append(self._held.pop(next(iter(self._held))))
+        buf = self._spare.pop() if self._spare else heap.outside_heap(self.chunk)
+        frame, view, got = self.frames[i], memoryview(buf)[:n], 0
+        check_declared([frame], [n])
+        try:
+            with self._dctx.stream_reader(frame, read_across_frames=False) as reader:
+                while got < n:
+                    step = reader.readinto(view[got:])
+                    if not step:
+                        break
+                    got += step
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
+        if got != n or extra:
+            raise FormatError("a zstd frame decoded to the wrong number of bytes")
+        self._held[i] = buf
+        return buf[:n]
+
+    def read_into(self, lo: int, out: np.ndarray) -> None:
+        """Fill ``out`` (bytes, strided or not) with the stream's bytes from ``lo`` on."""
+        at = 0
+        while at < len(out):
+            i, off = divmod(lo + at, self.chunk)
+            frame = self._frame(i)
+            m = min(len(frame) - off, len(out) - at)
+            out[at : at + m] = frame[off : off + m]
+            at += m

@@ -11,6 +11,7 @@ Triton kernels do the rest (``tpde.kernels.backend``). Nothing is ever written t
 
 from __future__ import annotations
 
+import bisect
 import functools
 import threading
 from collections import OrderedDict
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import dtypes
-from .api import return_freed_memory
+from .heap import return_freed_memory
 from . import entry as entries
 from .chain import Chain, span_words
 from .errors import CorruptionError, TPDEError
@@ -107,17 +108,27 @@ def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
 
 
 class _ResidentStore:
-    """Serves a chain's reads of the mounted records from compressed bytes held in memory."""
+    """Serves a chain's reads of the mounted records from compressed bytes held in memory:
+    whole sections, or parts of them (a streamed decode reads frame by frame)."""
 
     whole_blob_reads = False
 
     def __init__(self, store: Store, held: dict[str, dict[tuple[int, int], bytes]]) -> None:
         self._store, self._held = store, held
+        self._starts = {blob: sorted(ranges) for blob, ranges in held.items()}
 
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        held = self._held.get(rel, {})
-        if all(r in held for r in ranges):
-            return [held[r] for r in ranges]
+    def _part(self, rel: str, a: int, b: int) -> memoryview | None:
+        starts = self._starts.get(rel, [])
+        i = bisect.bisect_right(starts, (a, float("inf"))) - 1
+        if i < 0 or starts[i][1] < b:
+            return None
+        a0 = starts[i][0]
+        return memoryview(self._held[rel][starts[i]])[a - a0 : b - a0]
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[Any]:
+        parts = [self._part(rel, a, b) for a, b in ranges]
+        if all(p is not None for p in parts):
+            return parts
         return self._store.read_ranges(rel, ranges)
 
     def __getattr__(self, name: str) -> Any:
@@ -157,8 +168,12 @@ class Mount:
             kernels = triton_kernels.available()
         #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec).
         self.on = device if kernels else None
-        if resident not in ("host", "store"):
-            raise ValueError('resident must be "host" or "store"')
+        if resident not in ("auto", "host", "store"):
+            raise ValueError('resident must be "auto", "host" or "store"')
+        if resident == "auto":
+            # At budget 0 memory comes first: compressed bytes held in memory would outweigh
+            # the weights (a keyframe and its deltas), and a local run's are in the page cache.
+            resident = "store" if budget == 0 and chain.store.local else "host"
         self.chain, self.step, self.model, self.device = chain, step, model, device
         self.budget, self.prefetch = budget, prefetch
         self.stats = MountStats()
@@ -411,7 +426,7 @@ def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
 
 def mount(run: str, step: int | None = None,
           model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *, device: str | torch.device | None = None, budget: int | None = None,
-          prefetch: int = 1, resident: str = "host", units: tuple[type, ...] = (),
+          prefetch: int = 1, resident: str = "auto", units: tuple[type, ...] = (),
           decoder: str = "auto", storage_options: dict[str, Any] | None = None
           ) -> torch.nn.Module:
     """``model`` with the weights of ``step``, each module's decoded just in time.
@@ -422,7 +437,8 @@ def mount(run: str, step: int | None = None,
     factory; a model built on the meta device works) must have the stored state dict's names,
     possibly under a prefix (``model.``) or container (``state_dict``). ``budget``: bytes of
     decoded weights kept between calls (None: all, 0: none). ``resident="host"`` reads the
-    compressed bytes once at mount; ``"store"`` range-reads them on every decode. The model is
+    compressed bytes once at mount; ``"store"`` range-reads them on every decode; ``"auto"``
+    is ``"store"`` for a local run at budget 0 and ``"host"`` otherwise. The model is
     for inference: parameters do not require grad. ``model.tpde_mount`` has the stats and
     ``close()``.
 
