@@ -21,15 +21,18 @@ import zstandard
 from . import codec, dtypes, frames, quant
 from .errors import FormatError
 
-#: The newest format this tpde reads: format 4 adds error-bounded records (the opt-in lossy
-#: mode), and is written only by steps that hold a tensor saved under a bound, so that chains
-#: saved without one stay readable by tpde releases that know format 3. Format 3: zstd-framed
-#: manifests that may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2
-#: (plain JSON; 2 with pieces) are read as before.
-FORMAT = 4
+#: The newest format this tpde reads: format 5 adds sharded steps (records in several blobs,
+#: one per rank that wrote them, and the ``torch.distributed.checkpoint`` metadata), written
+#: only by sharded saves. Format 4 adds error-bounded records (the opt-in lossy mode), and is
+#: written only by steps that hold a tensor saved under a bound, so that chains saved without
+#: one stay readable by tpde releases that know format 3. Format 3: zstd-framed manifests that
+#: may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2
+#: with pieces) are read as before.
+FORMAT = 5
 PIECES_FORMAT = 2
 FRAMED_FORMAT = 3
 BOUNDED_FORMAT = 4
+SHARDED_FORMAT = 5
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
@@ -76,6 +79,9 @@ class Record:
     #: (``{"abs": ..., "rel": ...}``) measured at the save.
     bound: dict[str, float] | None = None
     error: dict[str, float] | None = None
+    #: Format 5: the index in ``Manifest.shards`` of the blob holding this record's sections
+    #: (None: the manifest's own blob).
+    shard: int | None = None
 
     @property
     def lossy(self) -> bool:
@@ -120,11 +126,31 @@ class Manifest:
     #: The blob the step was first written with: what checkpoint entries name the step by.
     #: Set when a re-base moved the step into a new blob; None means ``blob``.
     origin: str | None = None
+    #: Format 5, sharded steps: the blobs the ranks wrote (``{"blob", "size"}``), which
+    #: records name by index, and the ``torch.distributed.checkpoint`` metadata (§12).
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    dcp: dict[str, Any] | None = None
 
     @property
     def id(self) -> str | None:
         """What names this step for good, across re-bases (a reused step number differs)."""
-        return self.origin or self.blob
+        return self.origin or self.blob or (self.shards[0]["blob"] if self.shards else None)
+
+    def blob_of(self, r: Record) -> str:
+        """The blob holding ``r``'s sections."""
+        if r.shard is not None:
+            return self.shards[r.shard]["blob"]
+        if self.blob is None:
+            raise FormatError("record has data but the step has no blob", step=self.step,
+                              tensor=r.name)
+        return self.blob
+
+    def blobs(self) -> dict[str, int]:
+        """Every blob the step's records are stored in, with its size."""
+        out = {s["blob"]: s["size"] for s in self.shards}
+        if self.blob:
+            out[self.blob] = self.blob_size
+        return out
 
     @property
     def raw_bytes(self) -> int:
@@ -132,8 +158,8 @@ class Manifest:
 
     @property
     def stored_bytes(self) -> int:
-        """The blob plus the manifest itself: everything the step costs in the store."""
-        return self.blob_size + self.__dict__.get("_size", 0)
+        """The blobs plus the manifest itself: everything the step costs in the store."""
+        return sum(self.blobs().values()) + self.__dict__.get("_size", 0)
 
     def spans(self) -> list[list[Record]]:
         """The records of each span (one, or its pieces in order); the skeleton's ``$t`` indexes
@@ -164,10 +190,11 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
-        if body["origin"] is None:
-            del body["origin"]
+        for key in ("origin", "dcp", "shards"):
+            if not body[key]:
+                del body[key]
         for r in body["records"]:
-            for key in ("start", "grid", "scale", "bound", "error"):
+            for key in ("start", "grid", "scale", "bound", "error", "shard"):
                 if r[key] is None:
                     del r[key]
         canon = _canonical(body)
@@ -177,8 +204,10 @@ class Manifest:
         return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
 
 
-def format_for(records: list[Record]) -> int:
+def format_for(records: list[Record], sharded: bool = False) -> int:
     """The format a manifest of ``records`` is written in: the oldest that holds them."""
+    if sharded or any(r.shard is not None for r in records):
+        return SHARDED_FORMAT
     return BOUNDED_FORMAT if any(r.bound is not None for r in records) else FRAMED_FORMAT
 
 
@@ -249,9 +278,13 @@ def _build(b: dict[str, Any], step: int | None) -> Manifest:
         created=float(b["created"]), seconds=float(b["seconds"]), skeleton=b["skeleton"],
         records=[_record(r, b) for r in b["records"]], format=b["format"],
         origin=None if b.get("origin") is None else str(b["origin"]),
+        shards=_shards(b.get("shards", [])),
+        dcp=None if b.get("dcp") is None else dict(b["dcp"]),
     )
     if m.origin is not None and m.format < FRAMED_FORMAT:
         raise FormatError(f"format {m.format} manifest names an origin blob", step=step)
+    if (m.shards or m.dcp is not None) and m.format < SHARDED_FORMAT:
+        raise FormatError(f"format {m.format} manifest is sharded", step=step)
     if step is not None and m.step != step:
         raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)
     if len({r.name for r in m.records}) != len(m.records):
@@ -276,6 +309,12 @@ def _check_pieces(m: Manifest) -> None:
                 raise FormatError("span is larger than 2^48 elements", step=m.step,
                                   tensor=r.name)
         prev = r
+
+
+def _shards(items: Any) -> list[dict[str, Any]]:
+    if not isinstance(items, list):
+        raise ValueError("shards is not a list")
+    return [{"blob": str(s["blob"]), "size": _int(s["size"])} for s in items]
 
 
 def _bound(d: Any) -> dict[str, float]:
@@ -321,6 +360,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         scale=None if r.get("scale") is None else float(r["scale"]),
         bound=None if r.get("bound") is None else _bound(r["bound"]),
         error=None if r.get("error") is None else _errors(r["error"]),
+        shard=None if r.get("shard") is None else _int(r["shard"]),
         sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
                                 [_int(n, 1) for n in s["frames"]])
                   for k, s in r["sections"].items()},
@@ -337,6 +377,11 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)
     if rec.error is not None and rec.bound is None:
         raise FormatError("record has errors but no bound", tensor=rec.name)
+    shards = b.get("shards") or []
+    if rec.shard is not None and (b["format"] < SHARDED_FORMAT or rec.shard >= len(shards)):
+        raise FormatError(f"record names shard {rec.shard}, which the step does not have",
+                          tensor=rec.name)
+    blob_size = b["blob_size"] if rec.shard is None else shards[rec.shard]["size"]
     if rec.codec == "quant":
         _check_quant(rec)
     elif rec.grid is not None or rec.scale is not None:
@@ -368,6 +413,6 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         if expected[name] is not None and sec.raw != limit:
             raise FormatError(f"section {name!r} holds {sec.raw} bytes, expected {limit}",
                               tensor=rec.name)
-        if sec.offset + sec.length > b["blob_size"]:
+        if sec.offset + sec.length > blob_size:
             raise FormatError(f"section {name!r} lies outside the step's blob", tensor=rec.name)
     return rec

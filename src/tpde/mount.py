@@ -25,6 +25,7 @@ from . import dtypes
 from .heap import return_freed_memory
 from . import entry as entries
 from .chain import Chain, span_words
+from .chain import sharded
 from .errors import CorruptionError, TPDEError
 from .store import Store
 
@@ -43,6 +44,8 @@ class _Slot:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
+    #: A sharded step's tensor: its DCP item, put together from its chunks' records.
+    dcp: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +69,9 @@ def _items(node: Any) -> Iterator[tuple[Any, Any]]:
 
 
 def _tensor_leaves(node: Any) -> dict[str, dict[str, Any]]:
-    return {str(k): v for k, v in _items(node) if isinstance(v, dict) and "$t" in v}
+    """Stored tensors by key: views of spans, or a sharded step's items (with their shape)."""
+    return {str(k): v for k, v in _items(node)
+            if isinstance(v, dict) and ("$t" in v or ("$dcp" in v and "shape" in v))}
 
 
 def _match(skeleton: Any, shapes: dict[str, tuple[int, ...]]
@@ -187,8 +192,11 @@ class Mount:
                             f"{len(keys)} state-dict keys of the same shape (first: {missing[:3]});"
                             " build the model whose checkpoint this is", run=chain.url, step=step)
         spans = m.spans()
-        self.slots: dict[str, list[tuple[str, bool, _Slot]]] = {}
+        self.slots: dict[str, list[tuple[str, str, bool, _Slot]]] = {}
         for key, node in found.items():
+            if "$dcp" in node:
+                self._add(key, self._sharded_slot(m, key, node["$dcp"]), units)
+                continue
             i = node["$t"]
             if not isinstance(i, int) or not 0 <= i < len(spans):
                 raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
@@ -196,11 +204,7 @@ class Mount:
             slot = _Slot(key, tuple(r.name for r in recs),
                          dtypes.by_name(recs[0].dtype).torch_dtype, tuple(node["shape"]),
                          tuple(node["stride"]), int(node["offset"]))
-            owner, _, attr = key.rpartition(".")
-            module = model.get_submodule(owner)
-            unit = _unit(model, owner, units)
-            self.slots.setdefault(unit, []).append((owner, attr, attr in module._parameters,
-                                                    slot))
+            self._add(key, slot, units)
         # What the chain does not hold (non-persistent buffers such as position ids) moves to
         # the device as it is.
         for key, buf in list(model.named_buffers()):
@@ -236,6 +240,22 @@ class Mount:
             self._wrap(model.get_submodule(name), self._pre(name), self._post(name))
         self._wrap(model, None, self._learned)
 
+    def _add(self, key: str, slot: _Slot, units: tuple[type, ...]) -> None:
+        owner, _, attr = key.rpartition(".")
+        module = self.model.get_submodule(owner)
+        unit = _unit(self.model, owner, units)
+        self.slots.setdefault(unit, []).append((owner, attr, attr in module._parameters, slot))
+
+    def _sharded_slot(self, m: Any, key: str, fqn: str) -> _Slot:
+        t = (m.dcp or {}).get("tensors", {}).get(fqn)
+        if t is None:
+            raise TPDEError(f"the step's DCP metadata has no tensor {fqn!r}",
+                            run=self.chain.url, step=self.step, tensor=fqn)
+        shape = tuple(t["size"])
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        return _Slot(key, tuple(sharded.item_records(m, fqn)),
+                     dtypes.by_name(t["dtype"]).torch_dtype, shape, stride, 0, dcp=fqn)
+
     # ------------------------------------------------------------------ decoding
     def _hold(self) -> None:
         """Read every compressed section the mounted tensors need, once, into memory."""
@@ -244,7 +264,9 @@ class Mount:
         for slots in self.slots.values():
             for name in {n for *_, slot in slots for n in slot.records}:
                 for at, rec in self.chain._lineage(name, self.step):
-                    blob = self.chain.manifest(at).blob
+                    if not rec.sections:
+                        continue
+                    blob = self.chain.manifest(at).blob_of(rec)
                     steps[blob] = at
                     for s in rec.sections.values():
                         wanted.setdefault(blob, set()).add((s.offset, s.offset + s.length))
@@ -280,7 +302,8 @@ class Mount:
         out, spans = {}, {}
         for *_, s in slots:
             if s.records not in spans:  # tied tensors view one span: put it together once
-                spans[s.records] = span_words(s.records, words)
+                spans[s.records] = span_words(s.records, words) if s.dcp is None else \
+                    sharded.assemble(self.chain.manifest(self.step), s.dcp, words)
             base = spans[s.records].view(torch.uint8).view(s.dtype)
             t = base.as_strided(s.shape, s.stride, s.offset)
             out[s.key] = t.to(self.device) if self.device.type != "cpu" else t

@@ -175,8 +175,10 @@ def resolve_device(device: str, map_location: MapLocation) -> torch.device:
     return torch.device(map_location(device))
 
 
-def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False) -> Any:
-    """Rebuild the checkpoint from its skeleton and restored span tensors."""
+def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False,
+              sharded: dict[str, Any] | None = None) -> Any:
+    """Rebuild the checkpoint from its skeleton and restored span tensors (and, for a sharded
+    step, the values of its ``$dcp`` items by name)."""
     made: dict[tuple, torch.Tensor] = {}
 
     def view(node: dict[str, Any]) -> torch.Tensor:
@@ -208,6 +210,11 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
             return node
         if "$t" in node:
             return view(node)
+        if "$dcp" in node:
+            if sharded is None or node["$dcp"] not in sharded:
+                raise FormatError(f"skeleton names DCP item {node['$dcp']!r}, which the step "
+                                  "does not hold")
+            return sharded[node["$dcp"]]
         if "$f" in node:
             return float(node["$f"])
         if "$c" in node:
@@ -268,6 +275,22 @@ def span_indices(skeleton: Any) -> set[int]:
                 out.add(node["$t"])
             else:
                 todo.extend(node.values())
+    return out
+
+
+def sharded_items(skeleton: Any) -> list[str]:
+    """The DCP items (``$dcp`` leaves) a sharded step's skeleton holds, in order."""
+    out: list[str] = []
+    todo = [skeleton]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(reversed(node))
+        elif isinstance(node, dict):
+            if isinstance(node.get("$dcp"), str):
+                out.append(node["$dcp"])
+            else:
+                todo.extend(reversed(list(node.values())))
     return out
 
 

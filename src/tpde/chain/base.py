@@ -160,10 +160,10 @@ class ChainBase:
         """Delete a step nothing needs: manifest first (it stops being a step), then its blob
         and tombstone."""
         try:
-            blob = self.manifest(step).blob
+            blobs = list(self.manifest(step).blobs())
         except TPDEError:
-            blob = None  # a damaged manifest of an unneeded step: its blob goes as an orphan
-        for rel in (manifest_path(step), blob, f"{REMOVED}/{name(step)}"):
+            blobs = []  # a damaged manifest of an unneeded step: its blobs go as orphans
+        for rel in (manifest_path(step), *blobs, f"{REMOVED}/{name(step)}"):
             if rel:
                 report.freed_bytes += sizes.get(rel, 0)
                 self.store.delete(rel)
@@ -179,7 +179,7 @@ class ChainBase:
                 now = parse(self.store.read(manifest_path(step)), step=step)
             except (FileNotFoundError, TPDEError):
                 now = None
-            if now is None or (now.blob, now.records) != (m.blob, m.records):
+            if now is None or (now.blobs(), now.records) != (m.blobs(), m.records):
                 self._manifests.clear()
                 return True
         return False

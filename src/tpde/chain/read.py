@@ -7,13 +7,14 @@ import threading
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
 from .. import codec, dtypes, elias, frames, heap, quant, tree
 from ..errors import CorruptionError, FormatError, LossyWarning, TPDEError
 from ..manifest import Manifest, Record, content_hash
+from . import sharded
 from .base import ChainBase, Problem, Progress
 from .plan import batches
 
@@ -162,8 +163,8 @@ class _FramesOnDemand:
     """A section's frames read from the store one at a time, as a streamed decode reaches
     them: nothing of the section is held before it is needed."""
 
-    def __init__(self, reader: "Reader", m: Manifest, s: Any) -> None:
-        self._reader, self._m = reader, m
+    def __init__(self, reader: "Reader", m: Manifest, blob: str, s: Any) -> None:
+        self._reader, self._m, self._blob = reader, m, blob
         self._starts = [s.offset]
         for n in s.frames:
             self._starts.append(self._starts[-1] + n)
@@ -174,9 +175,9 @@ class _FramesOnDemand:
     def __getitem__(self, i: int) -> bytes:
         a, b = self._starts[i], self._starts[i + 1]
         try:
-            return self._reader.store.read_ranges(self._m.blob, [(a, b)])[0]
+            return self._reader.store.read_ranges(self._blob, [(a, b)])[0]
         except FileNotFoundError:
-            raise CorruptionError(f"blob {self._m.blob} is missing", run=self._reader.url,
+            raise CorruptionError(f"blob {self._blob} is missing", run=self._reader.url,
                                   step=self._m.step) from None
 
 
@@ -185,34 +186,41 @@ class Reader(ChainBase):
 
     def _fetch(self, m: Manifest, recs: list[Record], *, streamed: bool = False
                ) -> list[dict[str, Any]]:
-        """The frames of ``recs``' sections: one GET of the blob, or range reads for a few.
+        """The frames of ``recs``' sections: one GET of a blob, or range reads for a few.
         With ``streamed`` the values of keyframe and dense records are read frame by frame
         as the decode asks for them (``_FramesOnDemand``)."""
         later = [streamed and name == "values" and r.codec in _STREAMED
                  for r in recs for name in r.sections]
-        wanted = [(s.offset, s.offset + s.length) for r in recs for s in r.sections.values()]
+        wanted = [(m.blob_of(r), s.offset, s.offset + s.length)
+                  for r in recs for s in r.sections.values()]
         now = [w for w, lazy in zip(wanted, later) if not lazy]
-        try:
-            if not now:
-                pieces = []
-            elif self.store.whole_blob_reads and sum(b - a for a, b in now) * 2 >= m.blob_size:
-                blob = self.store.read(m.blob, m.blob_size)
-                if len(blob) != m.blob_size:
-                    raise CorruptionError(f"blob {m.blob} holds {len(blob)} bytes, the manifest "
-                                          f"says {m.blob_size} (truncated?)", run=self.url,
-                                          step=m.step)
-                view = memoryview(blob)
-                pieces = [view[a:b] for a, b in now]
-            else:
-                pieces = [memoryview(p) for p in self.store.read_ranges(m.blob, now)]
-        except FileNotFoundError:
-            raise CorruptionError(f"blob {m.blob} is missing", run=self.url, step=m.step) from None
-        out, it, lazy = [], iter(pieces), iter(later)
+        by_blob: dict[str, list[tuple[int, int]]] = {}
+        for blob, a, b in now:
+            by_blob.setdefault(blob, []).append((a, b))
+        got: dict[str, Iterator[memoryview]] = {}
+        for blob, ranges in by_blob.items():
+            try:
+                if blob == m.blob and self.store.whole_blob_reads \
+                        and sum(b - a for a, b in ranges) * 2 >= m.blob_size:
+                    data = self.store.read(blob, m.blob_size)
+                    if len(data) != m.blob_size:
+                        raise CorruptionError(f"blob {blob} holds {len(data)} bytes, the "
+                                              f"manifest says {m.blob_size} (truncated?)",
+                                              run=self.url, step=m.step)
+                    view = memoryview(data)
+                    got[blob] = iter([view[a:b] for a, b in ranges])
+                else:
+                    got[blob] = iter([memoryview(p) for p in self.store.read_ranges(blob, ranges)])
+            except FileNotFoundError:
+                raise CorruptionError(f"blob {blob} is missing", run=self.url,
+                                      step=m.step) from None
+        out, lazy = [], iter(later)
+        it = (next(got[blob]) for blob, _, _ in now)
         for r in recs:
             secs: dict[str, Any] = {}
             for sname, s in r.sections.items():
                 if next(lazy):
-                    secs[sname] = _FramesOnDemand(self, m, s)
+                    secs[sname] = _FramesOnDemand(self, m, m.blob_of(r), s)
                     continue
                 piece, at, fr = next(it), 0, []
                 for n in s.frames:
@@ -419,6 +427,15 @@ class Reader(ChainBase):
                 raise TPDEError(f"the checkpoint has no top-level key {within!r} "
                                 f"(it has: {', '.join(map(str, tree.keys(m.skeleton)))})",
                                 run=self.url, step=step)
+        if m.dcp is not None:  # a sharded step: its tensors whole, from their chunks
+            items = tree.sharded_items(skeleton)
+            names = [n for fqn in items for n in sharded.item_records(m, fqn)]
+            words = self.materialize(step, names, progress=progress)
+            try:
+                rebuilt = sharded.values(m, items, words, map_location, trusted)
+                return tree.unflatten(skeleton, [], trusted=trusted, sharded=rebuilt), {}
+            except TPDEError as exc:
+                raise exc.located(run=self.url, step=step) from None
         used = tree.span_indices(skeleton)
         groups = m.spans()
         wanted = [r for i in sorted(used) if i < len(groups) for r in groups[i]]

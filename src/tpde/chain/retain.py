@@ -92,15 +92,18 @@ class Retainer(Writer):
                 for rec, sections in self._rewrite_batch(old, batch, plan, settings,
                                                          keyframe_every):
                     new_records[rec.name] = dataclasses.replace(
-                        rec, sections=put_sections(writer, sections))
+                        rec, sections=put_sections(writer, sections), shard=None)
             writer.close()
         except BaseException:
             writer.abort()
             raise
-        records = [new_records.get(r.name, r) for r in old.records]
+        # Every record with data is now in the new blob (a sharded step's shards go with the
+        # old blob); a sharded step keeps its DCP metadata and format.
+        records = [dataclasses.replace(new_records.get(r.name, r), shard=None)
+                   for r in old.records]
         self._replace(old, self._summed(dataclasses.replace(
-            old, blob=blob_rel, blob_size=writer.size, origin=old.id,
-            format=format_for(records), records=records)))
+            old, blob=blob_rel, blob_size=writer.size, origin=old.id, shards=[],
+            format=format_for(records, sharded=old.dcp is not None), records=records)))
 
     def _summed(self, m: Manifest) -> Manifest:
         """``m`` with its step-level summary (keyframe, parent, depth) taken from its records."""
@@ -162,8 +165,8 @@ class Retainer(Writer):
     def _replace(self, old: Manifest, new: Manifest) -> None:
         """Commit a rewritten manifest, then delete the blob it no longer uses."""
         self.commit(new)
-        if old.blob and old.blob != new.blob:
-            self.store.delete(old.blob)
+        for blob in set(old.blobs()) - set(new.blobs()):
+            self.store.delete(blob)
 
     def gc(self, *, grace_seconds: float = 3600.0, keep: Iterable[int] = (),
            settings: codec.Settings | None = None,
@@ -175,7 +178,7 @@ class Retainer(Writer):
         """
         self.require_run()
         report = self.collect(keep=keep, settings=settings, keyframe_every=keyframe_every)
-        live = {self.manifest(s).blob for s in self.committed()}
+        live = {b for s in self.committed() for b in self.manifest(s).blobs()}
         now = time.time()
         for prefix in (DATA, STEPS):
             for e in self.store.list(prefix):
@@ -206,7 +209,7 @@ class Retainer(Writer):
         out = AtRest()
         owned: set[str] = set()
         for s, m in manifests.items():
-            mine = [p for p in (f"{STEPS}/{name(s)}.json", m.blob) if p in files]
+            mine = [p for p in (f"{STEPS}/{name(s)}.json", *m.blobs()) if p in files]
             owned.update(mine)
             size = sum(files[p] for p in mine)
             if s in visible:

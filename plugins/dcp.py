@@ -1,0 +1,514 @@
+"""tpde as the storage layer under ``torch.distributed.checkpoint`` (DCP).
+
+DCP stays the distributed engine: it plans which rank writes which chunk of which tensor,
+deduplicates replicated items and reshards on load. ``Writer`` and ``Reader`` only store and
+serve chunks. Each rank codes its chunks as tpde records, as deltas against the chunk of the
+same tensor, offsets and sizes at the previous step (whichever rank wrote it), into a blob of
+its own; the coordinator commits the step last, in one manifest that names every rank's records
+and carries DCP's metadata as JSON (chain format 5, ``docs/format.md`` §12). A step is visible
+only once every rank's blob is durable, so a rank killed mid-save leaves no half step.
+
+    dcp.save(state, storage_writer=tpde.dcp.Writer("s3://bucket/run", step))
+    dcp.load(state, storage_reader=tpde.dcp.Reader("s3://bucket/run"))   # the latest step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import time
+import uuid
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                   Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
+                                                  SavePlanner, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from tpde import codec, dtypes
+from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, MARKER, PIECE_BYTES, Chain
+from tpde.chain.base import name as step_name
+from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
+from tpde.chain.write import put_sections
+from tpde.errors import FormatError, TPDEError, UnsupportedError
+from tpde.manifest import Manifest, Record, SHARDED_FORMAT, content_hash
+
+__all__ = ["Reader", "Writer", "load_full"]
+
+
+def chunk_name(fqn: str, offsets: Any, sizes: Any) -> str:
+    """A chunk's record name: its tensor and the slice it covers, so that a chunk of another
+    layout (another world size, another placement) is another record, coded as a keyframe."""
+    return f"{fqn}[{','.join(f'{o}:{o + s}' for o, s in zip(offsets, sizes))}]"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the coordinator tells every rank about the step being saved."""
+
+    step: int
+    reference: int | None
+
+
+@dataclasses.dataclass
+class _Stored:
+    """Where a rank put one item: its records, in the rank's blob."""
+
+    rank: int
+    blob: str
+    size: int
+    records: list[Record]
+
+
+class Writer(StorageWriter):
+    """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
+
+    ``keyframe_every``, ``level`` and ``threads`` are ``Checkpointer``'s. Chunks larger than
+    half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces, and each rank codes
+    at most that many bytes at once; the reference words of a chunk are read back from the
+    store as it is coded (``reference="store"`` in ``Checkpointer``'s terms), so a rank holds
+    no copy of its shards between saves.
+    """
+
+    def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
+                 level: int | None = None, threads: int | None = None,
+                 max_inflight_bytes: int = 256 << 20,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        if type(step) is not int or step < 0:
+            raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
+        self.run, self.step = run, step
+        self.keyframe_every, self.max_inflight_bytes = keyframe_every, max_inflight_bytes
+        self.settings = codec.Settings(level=level, threads=threads)
+        self.storage_options = storage_options
+        self.rank = 0
+        self._chain: Chain | None = None
+
+    @property
+    def chain(self) -> Chain:
+        if self._chain is None:
+            self._chain = Chain(self.run, self.storage_options)
+        return self._chain
+
+    # ------------------------------------------------------------------ DCP's protocol
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.run:
+            raise TPDEError(f"dcp.save was given checkpoint_id={checkpoint_id!r}; a "
+                            "tpde.dcp.Writer saves into the run it was made with: leave "
+                            "checkpoint_id out", run=self.run, step=self.step)
+        self._chain = None  # manifests are read afresh for every save
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        rank = kwargs.get("rank")
+        self.rank = rank if rank is not None else _rank()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: refuse a committed step, and name the reference every rank
+        codes against (the newest visible step before this one)."""
+        chain = self.chain
+        chain._make_room(self.step)
+        earlier = [s for s in chain.steps() if s < self.step]
+        shared = _Plan(self.step, earlier[-1] if earlier else None)
+        return [dataclasses.replace(p, storage_data=shared) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        shared: _Plan = plan.storage_data
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(self._write(plan.items, planner, shared))
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator, once every rank's blob is durable: commit the step."""
+        chain = self.chain
+        shards: dict[str, dict[str, Any]] = {}
+        records: list[Record] = []
+        storage: dict[tuple[str, tuple[int, ...] | None], list[str]] = {}
+        for per_rank in results:
+            for wr in per_rank:
+                stored: _Stored = wr.storage_data
+                if stored.blob not in shards:
+                    shards[stored.blob] = {"blob": stored.blob, "size": stored.size}
+                index = list(shards).index(stored.blob)
+                records += [dataclasses.replace(r, shard=index) for r in stored.records]
+                key = (wr.index.fqn, None if wr.index.offset is None else tuple(wr.index.offset))
+                storage[key] = [r.name for r in stored.records]
+        refs = {r.ref for r in records if r.ref is not None}
+        deepest = 0
+        lazy = chain.lazy()
+        for r in records:
+            if r.ref is not None and r.codec != "same":
+                deepest = max(deepest, (keyed_at(lazy, r.ref, r.name) or (0, 0))[0] + 1)
+        m = Manifest(step=self.step, keyframe=not refs, depth=deepest,
+                     parent=max(refs) if refs else None, blob=None, blob_size=0,
+                     created=time.time(), seconds=0.0, skeleton=_skeleton(metadata),
+                     records=records,
+                     format=SHARDED_FORMAT,
+                     shards=list(shards.values()),
+                     dcp=_metadata_json(metadata, storage, len(results)))
+        if not chain.is_run():
+            chain.store.put_atomic(MARKER, b'{"format":"tpde","version":1}')
+        chain.commit(m)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.run, save_id=uuid.uuid4().hex)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # a tpde run is named by the Writer, never by a checkpoint_id
+
+    # ------------------------------------------------------------------ coding
+    def _write(self, items: list[WriteItem], planner: SavePlanner, shared: _Plan
+               ) -> list[WriteResult]:
+        chain = self.chain
+        blob = f"{DATA}/{step_name(self.step)}-r{self.rank}-{uuid.uuid4().hex[:12]}.tpd"
+        writer = chain.store.open_write(blob)
+        prev = chain.manifest(shared.reference) if shared.reference is not None else None
+        per = max(1, min(PIECE_BYTES, self.max_inflight_bytes // 2))
+        results: list[tuple[WriteItem, list[Record]]] = []
+        try:
+            todo = []  # (item, record name, piece start or None, host words' tensor, device)
+            for item in items:
+                data = planner.resolve_data(item)
+                tensor = _as_tensor(item, data)
+                device = str(data.device) if isinstance(data, torch.Tensor) else "cpu"
+                names = _piece_names(item, tensor, per)
+                results.append((item, []))
+                for piece, lo, hi in names:
+                    todo.append((len(results) - 1, piece, lo if len(names) > 1 else None,
+                                 tensor.reshape(-1)[lo:hi], device))
+            sizes = [t.numel() * t.element_size() for _, _, _, t, _ in todo]
+            for batch in batches(todo, sizes, per):
+                refs = self._references(prev, [(piece, t) for _, piece, _, t, _ in batch])
+                for at, piece, start, t, device in batch:
+                    results[at][1].append(self._record(writer, prev, piece, start, t, device,
+                                                       refs.pop(piece, None)))
+            writer.close()
+        except TPDEError as exc:
+            writer.abort()
+            raise exc.located(run=self.run, step=self.step) from exc
+        except BaseException:
+            writer.abort()
+            raise
+        return [WriteResult(index=item.index,
+                            size_in_bytes=sum(r.stored_bytes for r in recs),
+                            storage_data=_Stored(self.rank, blob, writer.size, recs))
+                for item, recs in results]
+
+    def _references(self, prev: Manifest | None, pieces: list[tuple[str, torch.Tensor]]
+                    ) -> dict[str, torch.Tensor]:
+        """The previous step's words of the pieces that are coded as deltas here."""
+        if prev is None:
+            return {}
+        lazy = self.chain.lazy()
+        usable = {}
+        for piece, t in pieces:
+            rec = prev.record(piece)
+            if rec is not None and rec.numel == t.numel() \
+                    and rec.dtype == dtypes.of_tensor(t, name=piece).name:
+                found = keyed_at(lazy, prev.step, piece)
+                usable[piece] = Candidate(piece, found[0] if found else None,
+                                          found is not None
+                                          and self.chain.manifest(found[1]).keyframe)
+        keyed = plan_keys(list(usable.values()), self.keyframe_every)
+        wanted = [p for p in usable if p not in keyed]
+        return self.chain.materialize(prev.step, wanted) if wanted else {}
+
+    def _record(self, writer: Any, prev: Manifest | None, piece: str, start: int | None,
+                t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
+        dt = dtypes.of_tensor(t, name=piece)
+        words = codec.to_words(t, dt.word_dtype)
+        enc = codec.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name)
+        ref = None
+        if not enc.keyed and prev is not None:
+            before = prev.record(piece)
+            ref = before.ref if enc.codec == "same" and before.codec == "same" else prev.step
+        digest = (prev.record(piece).hash if enc.codec == "same" and prev is not None
+                  else content_hash(words.view(torch.uint8).numpy()))
+        return Record(piece, dt.name, t.numel(), device, enc.codec, digest, ref,
+                      enc.residual, enc.count, put_sections(writer, enc.sections), start)
+
+
+def _as_tensor(item: WriteItem, data: Any) -> torch.Tensor:
+    """An item's bytes as a contiguous host tensor (DCP's byte items as uint8)."""
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw \
+            else torch.empty(0, dtype=torch.uint8)
+    return data.detach().to("cpu").contiguous()
+
+
+def _piece_names(item: WriteItem, t: torch.Tensor, per_bytes: int
+                 ) -> list[tuple[str, int, int]]:
+    """The records of one item: the chunk whole, or its pieces (``<chunk>/<start>``)."""
+    if item.type == WriteItemType.BYTE_IO:
+        base = item.index.fqn
+    else:
+        chunk = item.tensor_data.chunk
+        base = chunk_name(item.index.fqn, chunk.offsets, chunk.sizes)
+    n, per = t.numel(), max(1, per_bytes // max(1, t.element_size()))
+    if n <= per:
+        return [(base, 0, n)]
+    return [(f"{base}/{lo}", lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+
+# ---------------------------------------------------------------------- metadata as JSON
+def _skeleton(md: Metadata) -> Any:
+    """The nested layout the save planner flattened (its key paths), with each item a
+    ``$dcp`` leaf: what lets every front end load a sharded step as a checkpoint."""
+    paths = md.planner_data if isinstance(md.planner_data, dict) else {}
+    root: dict[Any, Any] = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        leaf: dict[str, Any] = {"$dcp": fqn}
+        if isinstance(meta, TensorStorageMetadata):
+            leaf["shape"] = list(meta.size)
+        path = list(paths.get(fqn, (fqn,)))
+        node: Any = root
+        for key, nxt in zip(path, path[1:]):  # as DCP's set_element: ints make lists
+            empty: Any = {} if isinstance(nxt, str) else []
+            if isinstance(node, list):
+                node.extend([None] * (key + 1 - len(node)))
+                node[key] = node[key] if node[key] is not None else empty
+            else:
+                node.setdefault(key, empty)
+            node = node[key]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = leaf
+    return _json(root)
+
+
+def _json(node: Any) -> Any:
+    """A nested layout in skeleton JSON: dicts with a key tpde's tags could take are tagged."""
+    if isinstance(node, list):
+        return [_json(v) for v in node]
+    if isinstance(node, dict) and "$dcp" not in node:
+        if any(str(k).startswith("$") for k in node):
+            return {"$dict": [[k, _json(v)] for k, v in node.items()]}
+        return {k: _json(v) for k, v in node.items()}
+    return node
+
+
+def _metadata_json(md: Metadata, storage: dict[tuple[str, tuple[int, ...] | None], list[str]],
+                   world_size: int) -> dict[str, Any]:
+    """DCP's metadata in the manifest: tensors (dtype, size, chunks and the records of each),
+    byte items, and the planner's key paths, so that a reader needs nothing pickled."""
+    tensors, blobs = {}, {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            blobs[fqn] = {"records": storage[(fqn, None)]}
+            continue
+        tensors[fqn] = {
+            "dtype": dtypes.BY_TORCH[meta.properties.dtype].name,
+            "size": list(meta.size), "requires_grad": bool(meta.properties.requires_grad),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                        "records": storage[(fqn, tuple(c.offsets))]} for c in meta.chunks]}
+    paths = md.planner_data
+    if paths is not None:
+        if not isinstance(paths, dict) or not all(
+                isinstance(p, (tuple, list)) and all(isinstance(k, (str, int)) for k in p)
+                for p in paths.values()):
+            raise UnsupportedError("the save planner's planner_data is not a mapping of keys "
+                                   "to key paths (DefaultSavePlanner's); tpde stores it as JSON")
+        paths = {k: list(v) for k, v in paths.items()}
+    return {"version": md.version, "world_size": world_size, "tensors": tensors,
+            "bytes": blobs, "paths": paths,
+            "modules": list(md.storage_meta.modules) if md.storage_meta else []}
+
+
+def _metadata(d: dict[str, Any], *, run: str, step: int) -> tuple[Metadata, dict[Any, list[str]]]:
+    """DCP's ``Metadata`` back from the manifest, and the records of every stored item."""
+    try:
+        sd: dict[str, Any] = {}
+        storage: dict[Any, list[str]] = {}
+        for fqn, t in d["tensors"].items():
+            chunks = []
+            for c in t["chunks"]:
+                chunks.append(ChunkStorageMetadata(torch.Size(c["offsets"]),
+                                                   torch.Size(c["sizes"])))
+                storage[MetadataIndex(fqn, c["offsets"])] = list(c["records"])
+            sd[fqn] = TensorStorageMetadata(
+                TensorProperties(dtype=dtypes.by_name(t["dtype"]).torch_dtype,
+                                 requires_grad=bool(t["requires_grad"])),
+                torch.Size(t["size"]), chunks)
+        for fqn, b in d["bytes"].items():
+            sd[fqn] = BytesStorageMetadata()
+            storage[MetadataIndex(fqn)] = list(b["records"])
+        paths = d["paths"]
+        planner_data = None if paths is None else {k: tuple(v) for k, v in paths.items()}
+        meta = Metadata(state_dict_metadata=sd, planner_data=planner_data,
+                        storage_data=storage, version=d.get("version"),
+                        storage_meta=StorageMeta(checkpoint_id=run,
+                                                 modules=list(d.get("modules", []))))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise FormatError(f"the step's DCP metadata is malformed ({exc})", run=run,
+                          step=step) from None
+    return meta, storage
+
+
+class Reader(StorageReader):
+    """Load step ``step`` (None: the latest) of the run at ``run`` through DCP, into any world
+    size and placement: DCP's planner asks for slices of saved chunks, which are rebuilt from
+    their records and hash-checked."""
+
+    def __init__(self, run: str, step: int | None = None, *,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.run, self.step, self.storage_options = run, step, storage_options
+        self.rank = 0
+        self._chain: Chain | None = None
+        self._storage: dict[Any, list[str]] = {}
+        self._dtypes: dict[str, str] = {}
+        self._at: int | None = None
+
+    @property
+    def chain(self) -> Chain:
+        if self._chain is None:
+            self._chain = Chain(self.run, self.storage_options)
+        return self._chain
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.run:
+            raise TPDEError(f"dcp.load was given checkpoint_id={checkpoint_id!r}; a "
+                            "tpde.dcp.Reader reads the run it was made with: leave "
+                            "checkpoint_id out", run=self.run)
+        self._chain, self._storage = None, {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        chain = self.chain
+        chain.require_run()
+        step = self.step if self.step is not None else chain.latest()
+        m = chain.manifest(step)
+        if m.dcp is None:
+            raise UnsupportedError("was saved by Checkpointer (one process), not through "
+                                   "torch.distributed.checkpoint: load it with "
+                                   "tpde.Checkpointer(run).load(step)", run=self.run, step=step)
+        self._at = step
+        meta, self._storage = _metadata(m.dcp, run=self.run, step=step)
+        self._dtypes = {fqn: t["dtype"] for fqn, t in m.dcp["tensors"].items()}
+        return meta
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        rank = kwargs.get("rank")
+        self.rank = rank if rank is not None else _rank()
+        if not self._storage:  # metadata read by another rank (or another Reader)
+            self._storage = dict(metadata.storage_data)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._at is None:
+            self.read_metadata()
+        step = self._at
+        # Each saved chunk is rebuilt once, however many slices of it this rank asks for.
+        by_chunk: dict[Any, list[Any]] = {}
+        for req in plan.items:
+            by_chunk.setdefault(req.storage_index, []).append(req)
+        chunks = list(by_chunk)
+        sizes = [sum(self.chain.manifest(step).record(n).raw_bytes
+                     for n in self._records(key, step)) for key in chunks]
+        for batch in batches(chunks, sizes, DECODE_BATCH_BYTES):
+            names = [n for key in batch for n in self._records(key, step)]
+            words = self.chain.materialize(step, names)
+            for key in batch:
+                parts = [words.pop(n) for n in self._records(key, step)]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                for req in by_chunk[key]:
+                    self._serve(req, flat, planner, step)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ helpers
+    def _records(self, key: Any, step: int) -> list[str]:
+        found = self._storage.get(key)
+        if found is None:
+            raise FormatError(f"rank {self.rank} asked for {key.fqn!r} at offsets "
+                              f"{list(key.offset or [])}, which the step does not hold",
+                              run=self.run, step=step, tensor=key.fqn)
+        return found
+
+    def _serve(self, req: Any, words: torch.Tensor, planner: LoadPlanner, step: int) -> None:
+        fqn = req.storage_index.fqn
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(words.view(torch.uint8).numpy().tobytes()))
+            return
+        saved = self._dtypes[fqn]
+        dt = dtypes.by_name(saved)
+        target = planner.resolve_tensor(req).detach()
+        if target.dtype != dt.torch_dtype:
+            raise TPDEError(f"rank {self.rank} loads it into a {target.dtype} tensor, but it "
+                            f"was saved as {dt.torch_dtype}; convert after loading, or load "
+                            "into a state of the saved dtype", run=self.run, step=step,
+                            tensor=fqn)
+        sizes = self._chunk_sizes(fqn, req.storage_index.offset)
+        chunk = words.view(torch.uint8).view(dt.torch_dtype).reshape(sizes)
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            chunk = chunk.narrow(dim, start, length)
+        if target.size() != chunk.size():
+            raise FormatError(f"rank {self.rank} asked for a {list(target.size())} slice where "
+                              f"the stored chunk gives {list(chunk.size())}", run=self.run,
+                              step=step, tensor=fqn)
+        target.copy_(chunk)
+        planner.commit_tensor(req, target)
+
+    def _chunk_sizes(self, fqn: str, offsets: Any) -> list[int]:
+        m = self.chain.manifest(self._at)
+        for c in m.dcp["tensors"][fqn]["chunks"]:
+            if list(c["offsets"]) == list(offsets or []):
+                return list(c["sizes"])
+        raise FormatError(f"no stored chunk at offsets {list(offsets or [])}", run=self.run,
+                          step=self._at, tensor=fqn)
+
+
+def load_full(run: str, step: int | None = None, *,
+              storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A sharded step as one ordinary state dict in this process (what
+    ``dcp_to_torch_save`` builds from a DCP folder): every tensor whole, on the CPU."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    reader = Reader(run, step, storage_options=storage_options)
+    reader.read_metadata()  # what is wrong with the step is raised here, not inside DCP
+    with unwrapped():
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    return state
+
+
+@contextlib.contextmanager
+def unwrapped() -> Iterator[None]:
+    """DCP wraps what a storage layer raises into a ``CheckpointException`` (a
+    ``BaseException``) of every rank's failures; in one process, tpde's own error is raised
+    as it is."""
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = getattr(failure, "exc", None)
+            if isinstance(inner, TPDEError):
+                raise inner from None
+        raise

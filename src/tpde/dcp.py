@@ -1,0 +1,10 @@
+"""``tpde.dcp``: tpde as the storage layer under ``torch.distributed.checkpoint``.
+
+``dcp.save(state, storage_writer=tpde.dcp.Writer(run, step))`` and
+``dcp.load(state, storage_reader=tpde.dcp.Reader(run))``; ``load_full(run, step)`` gives a
+sharded step as one ordinary state dict. The adapter lives in ``tpde.plugins.dcp``.
+"""
+
+from tpde.plugins.dcp import Reader, Writer, load_full
+
+__all__ = ["Reader", "Writer", "load_full"]

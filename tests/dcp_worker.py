@@ -1,0 +1,165 @@
+"""One rank of a multi-process ``torch.distributed.checkpoint`` run through ``tpde.dcp``
+(gloo on the CPU), started by ``tests/test_dcp.py`` with ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set.
+
+    python dcp_worker.py MODE RUN STEP(S) EXPECTED_DIR
+
+Modes: ``dtensor-save`` / ``dtensor-load`` (DTensors sharded by rows and by columns, a
+replicated one and plain values) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
+``fully_shard`` with AdamW). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
+state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+
+import tpde.dcp
+
+warnings.filterwarnings("ignore")
+
+
+def full_states(step: int) -> dict[str, torch.Tensor]:
+    """The same on every rank: small updates step after step, as training makes them."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 48, generator=g)
+    cols = torch.randn(40, 30, generator=g).bfloat16()
+    rep = torch.randn(16, generator=g)
+    for k in range(1, step + 1):
+        g.manual_seed(k)
+        rows = rows + 1e-3 * torch.randn(64, 48, generator=g)
+        cols = (cols.float() + 1e-2 * torch.randn(40, 30, generator=g)).bfloat16()
+    return {"rows": rows, "cols": cols, "rep": rep}
+
+
+def dtensor_state(step: int, mesh, empty: bool = False) -> dict:
+    full = full_states(step)
+    if empty:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    return {"model": {"rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),
+                      "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+                      "rep": distribute_tensor(full["rep"], mesh, [Replicate()])},
+            "meta": {"step": -1 if empty else step, "lr": 0.0 if empty else 0.1 * step}}
+
+
+def gathered(state: dict) -> dict:
+    out = {}
+    for k, v in state["model"].items():
+        out[k] = v.full_tensor() if isinstance(v, DTensor) else v
+    return {"model": out, "meta": dict(state["meta"])}
+
+
+def same(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(a), sorted(b))
+        for k in a:
+            same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype)
+        assert torch.equal(a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8)
+                           if b.dim() else b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(24, 32)
+        self.b = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def fsdp(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train(model, opt, step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(8, 24, generator=g)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def fsdp_full(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                               cpu_offload=True))
+    return {"model": m, "optim": o}
+
+
+def main() -> None:
+    mode, run, steps, expected = sys.argv[1:5]
+    # "latest=N": load without naming a step (the latest), which must be step N.
+    latest = steps.startswith("latest=")
+    steps = int(steps.removeprefix("latest="))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if mode == "dtensor-save":
+        for step in range(steps):
+            state = dtensor_state(step, mesh)
+            dcp.save(state, storage_writer=tpde.dcp.Writer(run, step))
+            full = gathered(state)  # a collective: on every rank
+            if rank == 0:
+                torch.save(full, os.path.join(expected, f"step{step}.pt"))
+    elif mode == "dtensor-load":
+        state = dtensor_state(0, mesh, empty=True)
+        dcp.load(state, storage_reader=tpde.dcp.Reader(run, None if latest else steps))
+        want = torch.load(os.path.join(expected, f"step{steps}.pt"))
+        same(gathered(state), want)
+    elif mode == "fsdp-save":
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, opt = fsdp(mesh)
+        for step in range(steps):
+            train(model, opt, step)
+            m, o = get_state_dict(model, opt)
+            dcp.save({"model": m, "optim": o}, storage_writer=tpde.dcp.Writer(run, step))
+            full = fsdp_full(model, opt)
+            if rank == 0:
+                torch.save(full, os.path.join(expected, f"step{step}.pt"))
+    elif mode == "fsdp-load":
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model, opt = fsdp(mesh)
+        train(model, opt, 0)  # optimizer state exists, with other values than the saved ones
+        m, o = get_state_dict(model, opt)
+        state = {"model": m, "optim": o}
+        dcp.load(state, storage_reader=tpde.dcp.Reader(run, steps))
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        full = fsdp_full(model, opt)
+        if rank == 0:
+            same(full, torch.load(os.path.join(expected, f"step{steps}.pt")))
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: {mode} ok", flush=True)
+    # Everything is checked and written: skip interpreter teardown, where gloo's worker threads
+    # sometimes abort the process ("terminate called without an active exception").
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
