@@ -2,16 +2,22 @@
 (gloo on the CPU), started by ``tests/test_dcp.py`` with ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` set.
 
-    python dcp_worker.py MODE RUN STEP(S) EXPECTED_DIR
+    python dcp_worker.py MODE RUN STEP(S) EXPECTED_DIR    # STEPS: N or A:B for a save
 
 Modes: ``dtensor-save`` / ``dtensor-load`` (DTensors sharded by rows and by columns, a
 replicated one and plain values) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
 ``fully_shard`` with AdamW). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
 state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
+
+``TPDE_FAULT=RANK,STEP,KIND,N`` makes rank RANK's save of step STEP meet a fault at its N-th
+store operation: ``kill`` (SIGKILL, as ``campaigns/crash.py`` does) or ``fail`` (the disk
+refuses a write). After a failed save every rank saves the same step again.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import sys
 import warnings
@@ -19,11 +25,51 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 import tpde.dcp
+from tpde import store
 
 warnings.filterwarnings("ignore")
+
+
+WRITE = store.BlobWriter.write
+#: fsspec storage options of the run (an S3 server's endpoint and keys), as JSON.
+OPTIONS = json.loads(os.environ.get("TPDE_STORAGE_OPTIONS", "null"))
+
+
+def writer(run: str, step: int) -> tpde.dcp.Writer:
+    return tpde.dcp.Writer(run, step, storage_options=OPTIONS)
+
+
+def reader(run: str, step: int | None) -> tpde.dcp.Reader:
+    return tpde.dcp.Reader(run, step, storage_options=OPTIONS)
+
+
+def fault(rank: int, step: int) -> None:
+    """Arm ``TPDE_FAULT`` for this rank's save of ``step``."""
+    spec = os.environ.get("TPDE_FAULT")
+    if not spec:
+        return
+    at_rank, at_step, kind, n = spec.split(",")
+    if (int(at_rank), int(at_step)) != (rank, step):
+        return
+    if kind == "kill":
+        sys.path.insert(0, os.path.dirname(__file__))
+        from campaigns.crash import arm
+
+        arm(int(n))
+        return
+    original, count = store.BlobWriter.write, [0]
+
+    def failing(self, data):
+        count[0] += 1
+        if count[0] == int(n):
+            raise OSError(28, "No space left on device")
+        return original(self, data)
+
+    store.BlobWriter.write = failing
 
 
 def full_states(step: int) -> dict[str, torch.Tensor]:
@@ -109,22 +155,31 @@ def fsdp_full(model, opt) -> dict:
 
 def main() -> None:
     mode, run, steps, expected = sys.argv[1:5]
-    # "latest=N": load without naming a step (the latest), which must be step N.
+    # "latest=N": load without naming a step (the latest), which must be step N; "A:B": save
+    # steps A to B - 1.
     latest = steps.startswith("latest=")
-    steps = int(steps.removeprefix("latest="))
-    dist.init_process_group("gloo")
+    first = int(steps.split(":")[0]) if ":" in steps else 0
+    steps = int(steps.removeprefix("latest=").split(":")[-1])
+    # A killed rank leaves the others in a collective: they give up after this long.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if mode == "dtensor-save":
-        for step in range(steps):
+        for step in range(first, steps):
             state = dtensor_state(step, mesh)
-            dcp.save(state, storage_writer=tpde.dcp.Writer(run, step))
+            fault(rank, step)
+            try:
+                dcp.save(state, storage_writer=writer(run, step))
+            except CheckpointException as exc:  # a rank failed: nothing is committed
+                print(f"rank {rank}: step {step} failed: {exc}", flush=True)
+                store.BlobWriter.write = WRITE
+                dcp.save(state, storage_writer=writer(run, step))
             full = gathered(state)  # a collective: on every rank
             if rank == 0:
                 torch.save(full, os.path.join(expected, f"step{step}.pt"))
     elif mode == "dtensor-load":
         state = dtensor_state(0, mesh, empty=True)
-        dcp.load(state, storage_reader=tpde.dcp.Reader(run, None if latest else steps))
+        dcp.load(state, storage_reader=reader(run, None if latest else steps))
         want = torch.load(os.path.join(expected, f"step{steps}.pt"))
         same(gathered(state), want)
     elif mode == "fsdp-save":
@@ -134,7 +189,7 @@ def main() -> None:
         for step in range(steps):
             train(model, opt, step)
             m, o = get_state_dict(model, opt)
-            dcp.save({"model": m, "optim": o}, storage_writer=tpde.dcp.Writer(run, step))
+            dcp.save({"model": m, "optim": o}, storage_writer=writer(run, step))
             full = fsdp_full(model, opt)
             if rank == 0:
                 torch.save(full, os.path.join(expected, f"step{step}.pt"))
@@ -145,7 +200,7 @@ def main() -> None:
         train(model, opt, 0)  # optimizer state exists, with other values than the saved ones
         m, o = get_state_dict(model, opt)
         state = {"model": m, "optim": o}
-        dcp.load(state, storage_reader=tpde.dcp.Reader(run, steps))
+        dcp.load(state, storage_reader=reader(run, steps))
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         full = fsdp_full(model, opt)

@@ -27,13 +27,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks(world: int, *args: object, timeout: float = 120) -> list[subprocess.CompletedProcess]:
-    """Run ``dcp_worker.py`` as ``world`` processes of one gloo group; every rank must pass."""
+def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
+          env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``dcp_worker.py`` as ``world`` processes of one gloo group; with ``check`` every
+    rank must pass."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
@@ -45,7 +48,8 @@ def ranks(world: int, *args: object, timeout: float = 120) -> list[subprocess.Co
         for p in procs:  # one rank failing leaves the others waiting in a collective
             p.kill()
     for rank, d in enumerate(done):
-        assert d.returncode == 0, f"rank {rank} of {world} ({args[0]}) failed:\n{d.stderr[-4000:]}"
+        assert d.returncode == 0 or not check, \
+            f"rank {rank} of {world} ({args[0]}) failed:\n{d.stderr[-4000:]}"
     return done
 
 
@@ -72,6 +76,15 @@ def test_dtensor_steps_are_deltas_restore_exactly_and_reshard(tmp_path) -> None:
     for k, v in expected["model"].items():
         assert torch.equal(full["model"][k], v), k
     assert full["meta"] == expected["meta"]
+
+    # The same run saved by one process: its chunks have another layout, so they are keyframe
+    # records (nothing is coded against a chunk of another shape), and both steps load.
+    ranks(1, "dtensor-save", run, "3:4", want)
+    step3 = Chain(run).manifest(3)
+    assert step3.dcp["world_size"] == 1 and len(step3.shards) == 1
+    assert {r.codec for r in step3.records if r.name.startswith("model.rows")} == {"key"}
+    ranks(2, "dtensor-load", run, 3, want)
+    ranks(2, "dtensor-load", run, 2, want)
 
     # 1 -> 2: a step saved by one process (new chunk layouts: keyframe records) loads on two.
     one = str(tmp_path / "one")
@@ -148,3 +161,55 @@ def test_a_single_process_save_and_bad_loads(tmp_path) -> None:
     tpde.Checkpointer(str(tmp_path / "plain")).save(0, {"w": state["w"]})
     with pytest.raises(tpde.UnsupportedError, match="Checkpointer"):
         tpde.dcp.load_full(str(tmp_path / "plain"), 0)
+
+
+def test_a_rank_killed_mid_save_leaves_every_committed_step(tmp_path) -> None:
+    """Rank 1 is SIGKILLed while it writes its blob of step 2: the step never appears, steps
+    0 and 1 restore exactly, the next save of step 2 works, and gc deletes what was left."""
+    run, want = str(tmp_path / "run"), tmp_path / "expected"
+    want.mkdir()
+    done = ranks(2, "dtensor-save", run, 3, want, check=False,
+                 env={"TPDE_FAULT": "1,2,kill,2"})
+    assert done[1].returncode == -9, done[1].stderr[-2000:]
+    chain = Chain(run)
+    assert chain.steps() == [0, 1]
+    for step in (0, 1):
+        ranks(2, "dtensor-load", run, step, want)
+    leftovers = chain.at_rest().leftovers
+    assert leftovers > 0  # rank 0's blob of step 2, and the part rank 1 wrote
+    tpde.Checkpointer(run).gc(grace_seconds=0)
+    assert Chain(run).at_rest().leftovers == 0 and Chain(run).steps() == [0, 1]
+    ranks(2, "dtensor-save", run, "2:3", want)
+    ranks(2, "dtensor-load", run, 2, want)
+
+
+def test_a_rank_that_fails_commits_nothing_and_the_next_save_works(tmp_path) -> None:
+    """Rank 1's disk refuses a write of step 1: every rank sees the failure, the step is not
+    committed, and saving it again on every rank commits it."""
+    run, want = str(tmp_path / "run"), tmp_path / "expected"
+    want.mkdir()
+    done = ranks(2, "dtensor-save", run, 3, want, env={"TPDE_FAULT": "1,1,fail,2"})
+    assert all("step 1 failed" in d.stdout for d in done)
+    assert "No space left on device" in done[0].stdout  # the coordinator names the cause
+    assert Chain(run).steps() == [0, 1, 2]
+    for step in (1, 2):
+        ranks(2, "dtensor-load", run, step, want)
+
+
+@pytest.mark.s3
+def test_sharded_steps_on_s3(tmp_path, s3_server) -> None:
+    import json
+    import uuid
+
+    options = s3_server["options"]
+    run, want = f"s3://tpde/dcp-{uuid.uuid4().hex[:10]}", tmp_path / "expected"
+    want.mkdir()
+    env = {"TPDE_STORAGE_OPTIONS": json.dumps(options)}
+    ranks(2, "dtensor-save", run, 3, want, env=env)
+    assert Chain(run, options).manifest(2).shards
+    ranks(2, "dtensor-load", run, 2, want, env=env)
+    ranks(1, "dtensor-load", run, 1, want, env=env)
+    full = tpde.dcp.load_full(run, 2, storage_options=options)
+    expected = torch.load(want / "step2.pt")
+    for k, v in expected["model"].items():
+        assert torch.equal(full["model"][k], v), k

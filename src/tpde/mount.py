@@ -448,7 +448,8 @@ def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
 
 
 def mount(run: str, step: int | None = None,
-          model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *, device: str | torch.device | None = None, budget: int | None = None,
+          model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *,
+          device: str | torch.device | None = None, budget: int | None = None,
           prefetch: int = 1, resident: str = "auto", units: tuple[type, ...] = (),
           decoder: str = "auto", storage_options: dict[str, Any] | None = None
           ) -> torch.nn.Module:
