@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from tpde import codec, dtypes
+from tpde import codec, dtypes, frames
 from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, MARKER, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
@@ -74,7 +74,7 @@ class _Stored:
 class Writer(StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
-    ``keyframe_every``, ``level`` and ``threads`` are ``Checkpointer``'s. Chunks larger than
+    ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s. Chunks larger than
     half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces, and each rank codes
     at most that many bytes at once; the reference words of a chunk are read back from the
     store as it is coded (``reference="store"`` in ``Checkpointer``'s terms), so a rank holds
@@ -82,15 +82,15 @@ class Writer(StorageWriter):
     """
 
     def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 level: int | None = None, threads: int | None = None,
-                 max_inflight_bytes: int = 256 << 20,
+                 level: int | None = None, chunk_bytes: int = frames.DEFAULT_CHUNK,
+                 threads: int | None = None, max_inflight_bytes: int = 256 << 20,
                  storage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
         self.run, self.step = run, step
         self.keyframe_every, self.max_inflight_bytes = keyframe_every, max_inflight_bytes
-        self.settings = codec.Settings(level=level, threads=threads)
+        self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads)
         self.storage_options = storage_options
         self.rank = 0
         self._chain: Chain | None = None

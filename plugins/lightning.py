@@ -24,8 +24,8 @@ import torch
 
 from tpde import entry as entries
 from tpde import frames
-from tpde.api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, check_reference, snapshot
-from tpde.errors import UnsupportedError
+from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, check_reference,
+                      snapshot)
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.quant import Bound, Bounds
 from tpde.store import Store
@@ -229,18 +229,25 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _write(self, snap: Snapshot | dict[str, Any], path: str, options: dict[str, Any],
                meta: dict[str, Any], stall_ms: float) -> None:
         started = time.perf_counter()
-        folder, name = _split(path)
-        url = self._chain_url(folder)
+        url = self._chain_url(_split(path)[0])
         ckpt = self._checkpointer(url)
         if url not in self._next:
             self._next[url] = ckpt.next_step()
         step = self._next[url]
         info = ckpt.save(step, snap)
         self._next[url] = step + 1
+        self._publish(path, options, ckpt, info, meta, stall_ms, started)
+
+    def _publish(self, path: str, options: dict[str, Any], ckpt: Checkpointer, info: StepInfo,
+                 meta: dict[str, Any], stall_ms: float, started: float) -> None:
+        """Write the entry naming a committed step at ``path``; free what an entry it
+        replaces named."""
+        folder, name = _split(path)
+        step = info.step
         blob = ckpt.chain.manifest(step).id
         data = entries.to_bytes(entries.CheckpointEntry(
-            run=self.chain_dir, run_url=url, step=step, blob=blob, raw_bytes=info.raw_bytes,
-            stored_bytes=info.stored_bytes, meta=meta))
+            run=self.chain_dir, run_url=ckpt.chain.url, step=step, blob=blob,
+            raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
         try:
             replaced = entries.read(path, options)
         except FileNotFoundError:
@@ -275,8 +282,10 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         if not fs.exists(p):
             return
         if fs.isdir(p):
-            log.warning("tpde: %s is a folder, not a tpde entry (a strategy that bypasses "
-                        "CheckpointIO wrote it); removing it as Lightning would", path)
+            log.warning("tpde: %s is a folder, not a tpde entry: a sharded strategy wrote it "
+                        "with torch.distributed.checkpoint without calling CheckpointIO, so "
+                        "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy); "
+                        "removing it as Lightning would", path)
             fs.rm(p, recursive=True)
             return
         found = entries.read(path, self.storage_options)
@@ -359,61 +368,3 @@ def _finish() -> None:
             plugin.wait()
         except BaseException as exc:  # nobody is left to raise it to
             log.error("tpde: a background checkpoint failed at exit: %s", exc)
-
-
-def _guard_for(callback_base: type) -> type:
-    class TPDEStrategyGuard(callback_base):  # type: ignore[misc, valid-type]
-        """Fails fast where a strategy would bypass ``TPDECheckpointIO`` and store nothing."""
-
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            io = trainer.strategy.checkpoint_io
-            while not isinstance(io, TPDECheckpointIO) and hasattr(io, "checkpoint_io"):
-                io = io.checkpoint_io
-            if not isinstance(io, TPDECheckpointIO):
-                return
-            strategy = type(trainer.strategy).__name__
-            if "DeepSpeed" in strategy:
-                raise UnsupportedError(
-                    "DeepSpeed writes its own checkpoint folders and never calls CheckpointIO, "
-                    "so TPDECheckpointIO would store nothing; drop the plugin, or train with "
-                    "strategy='ddp' or FSDPStrategy(state_dict_type='full')")
-            if getattr(trainer.strategy, "_state_dict_type", "full") == "sharded":
-                raise UnsupportedError(
-                    "FSDPStrategy(state_dict_type='sharded') writes checkpoints with "
-                    "torch.distributed.checkpoint and never calls CheckpointIO, so "
-                    "TPDECheckpointIO would store nothing; use "
-                    "FSDPStrategy(state_dict_type='full'), or drop the plugin")
-            if getattr(trainer.strategy, "_save_distributed_checkpoint", False):
-                raise UnsupportedError(
-                    f"{strategy}(save_distributed_checkpoint=True) writes checkpoints with "
-                    "torch.distributed.checkpoint and never calls CheckpointIO, so "
-                    "TPDECheckpointIO would store nothing; use "
-                    f"{strategy}(save_distributed_checkpoint=False), or drop the plugin")
-
-    return TPDEStrategyGuard
-
-
-def lightning_callbacks() -> list[Any]:
-    """Entry point ``lightning.pytorch.callbacks_factory``: the strategy guard, only where a
-    ``TPDECheckpointIO`` exists.
-
-    Lightning calls none of a CheckpointIO's methods before training, and sharded strategies
-    never call ``save_checkpoint``, so only a callback can refuse them before a step is
-    trained. Lightning asks every installed factory at each ``Trainer(...)``; this one answers
-    nothing unless the process holds a ``TPDECheckpointIO`` (built before the Trainer it is
-    passed to), so installing tpde leaves other trainers as they are: no callback, no message.
-    """
-    if not _LIVE:
-        return []
-    from lightning.pytorch.callbacks import Callback
-
-    return [_guard_for(Callback)()]
-
-
-def pytorch_lightning_callbacks() -> list[Any]:
-    """Entry point ``pytorch_lightning.callbacks_factory``: as ``lightning_callbacks``."""
-    if not _LIVE:
-        return []
-    from pytorch_lightning.callbacks import Callback
-
-    return [_guard_for(Callback)()]

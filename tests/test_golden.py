@@ -1,6 +1,7 @@
 """The committed golden chains must decode bit-exactly forever: format 1 (whole spans), format 2
-(large spans stored in pieces), format 3 (steps re-based into new blobs) and format 4
-(error-bounded records: within their bounds of the saved states, and hash-checked)."""
+(large spans stored in pieces), format 3 (steps re-based into new blobs), format 4
+(error-bounded records: within their bounds of the saved states, and hash-checked) and format 5
+(sharded steps written by two ranks through torch.distributed.checkpoint)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tpde
 from helpers import assert_same
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
-from states import LOSSY_BOUNDS, golden_states, lossy_states  # noqa: E402
+from states import LOSSY_BOUNDS, golden_states, lossy_states, sharded_states  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 CHAINS = ("chain-v1", "chain-v2", "chain-v3")
@@ -79,3 +80,23 @@ def test_golden_v4_exercises_every_error_bounded_coding() -> None:
             for s in chain.steps() for r in chain.manifest(s).records if r.codec == "quant"}
     assert {("ulp", False, True, False), ("abs", False, False, False),
             ("ulp", False, False, True), ("ulp", True, False, False)} <= used
+
+
+@pytest.mark.parametrize("step", [0, 2, 3])
+def test_golden_v5_sharded_steps_decode_bit_exactly(step: int) -> None:
+    """Through tpde alone (every front end's path) and through DCP's own consolidation."""
+    import tpde.dcp
+
+    run = os.path.join(GOLDEN, "chain-v5")
+    want = sharded_states()[step]
+    assert_same(want, tpde.Checkpointer(run).load(step))
+    assert_same(want, tpde.dcp.load_full(run, step))
+
+
+def test_golden_v5_holds_sharded_and_rebased_steps() -> None:
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v5")).chain
+    assert chain.steps() == [0, 2, 3]
+    assert [len(chain.manifest(s).shards) for s in (0, 2, 3)] == [2, 0, 2]
+    assert chain.manifest(2).origin is not None  # re-based: one blob, its first name kept
+    assert {r.codec for r in chain.manifest(3).records} >= {"same", "sparse", "dense"}
+    assert all(chain.manifest(s).format == 5 for s in chain.steps())

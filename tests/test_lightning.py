@@ -22,6 +22,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 import tpde  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from tpde import entry as entries  # noqa: E402
+from tpde.chain import Chain  # noqa: E402
 from tpde.cli import main as cli  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -262,53 +263,27 @@ def test_pytorch_lightning_imports(tmp_path) -> None:
                 module.state_dict())
 
 
-def _refused_fit(strategy: Any, match: str, **trainer: Any) -> None:
-    """A real Trainer with the plugin and ``strategy`` refuses to fit, before any step."""
-    model = CharLM(dim=32, layers=1)
-    fitter = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, strategy=strategy,
-                       plugins=[tpde.TPDECheckpointIO()], **trainer)
-    with pytest.raises(tpde.UnsupportedError, match=match):
-        fitter.fit(model, loaders(windows=64, batch=16)[0])
-    assert fitter.global_step == 0
-
-
-def test_model_parallel_distributed_checkpoints_are_refused(monkeypatch) -> None:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
+def test_model_parallel_sharded_checkpoints_through_tpde_match_dcp(tmp_path) -> None:
+    """ModelParallelStrategy (FSDP2, 2 CPU devices): the same run with TPDEModelParallelStrategy
+    and with the stock strategy (DCP's FileSystemWriter), each trained, then resumed from
+    ``last``, keeps the same checkpoints (top 2 and last) and ends with bit-identical weights."""
+    script = os.path.join(os.path.dirname(__file__), "lightning_sharded.py")
     from campaigns.s3 import free_port
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    try:
-        _refused_fit(ModelParallelStrategy(), r"save_distributed_checkpoint=False",
-                     accelerator="cpu", devices=1)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-@pytest.mark.gpu
-def test_deepspeed_is_refused() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("Lightning runs DeepSpeed on CUDA GPUs only (on a CPU it refuses it itself)")
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: pip install deepspeed")
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    _refused_fit(DeepSpeedStrategy(), "DeepSpeed writes its own checkpoint folders",
-                 accelerator="cuda", devices=1)
-
-
-@pytest.mark.gpu
-def test_sharded_fsdp_fit_is_refused(tmp_path) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("FSDP in Lightning needs a GPU")
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    trainer = L.Trainer(max_epochs=1, accelerator="cuda", devices=1, logger=False,
-                        strategy=FSDPStrategy(state_dict_type="sharded"),
-                        plugins=[tpde.TPDECheckpointIO()], enable_progress_bar=False)
-    with pytest.raises(tpde.UnsupportedError, match="state_dict_type='full'"):
-        trainer.fit(CharLM(dim=32, layers=1), loaders(windows=64, batch=16)[0])
+    for how in ("tpde", "dcp"):
+        for epochs in (2, 3):
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+            done = subprocess.run([sys.executable, script, str(tmp_path / how), str(epochs), how],
+                                  capture_output=True, text=True, timeout=600, env=env)
+            assert done.returncode == 0, done.stderr[-4000:]
+        assert (tmp_path / how / "resumed.txt").read_text() == "8"
+    ours, theirs = tmp_path / "tpde" / "ckpt", tmp_path / "dcp" / "ckpt"
+    assert sorted(os.listdir(theirs)) == sorted(p for p in os.listdir(ours) if p != ".tpde")
+    a, b = (torch.load(tmp_path / how / "final.pt") for how in ("tpde", "dcp"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    chain = Chain(str(ours / ".tpde"))
+    assert all(chain.manifest(s).format == 5 for s in chain.steps())
+    assert len(chain.steps()) == 3  # what the three entries name: removed steps were freed
 
 
 def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:
@@ -467,8 +442,8 @@ def test_error_bound_through_the_plugin_against_torch_files(tmp_path) -> None:
 
 
 def test_installing_tpde_leaves_other_trainers_alone(tmp_path) -> None:
-    """A Trainer built without the plugin gets no callback and no message from tpde's entry
-    point; one built after a TPDECheckpointIO gets the strategy guard (a fresh process each)."""
+    """tpde registers nothing with Lightning: a Trainer built without the plugin does not even
+    import tpde, and one built with it gets no callback from tpde (a fresh process each)."""
     script = (
         "import lightning as L, sys\n"
         "if sys.argv[1] == 'with':\n"
@@ -476,11 +451,12 @@ def test_installing_tpde_leaves_other_trainers_alone(tmp_path) -> None:
         "else:\n"
         "    extra = {}\n"
         "t = L.Trainer(accelerator='cpu', logger=False, **extra)\n"
-        "print('CALLBACKS', [type(c).__name__ for c in t.callbacks])\n")
+        "print('CALLBACKS', [type(c).__module__ for c in t.callbacks])\n"
+        "print('IMPORTED', 'tpde' in sys.modules)\n")
     runs = {how: subprocess.run([sys.executable, "-c", script, how], capture_output=True,
                                 text=True, timeout=300, cwd=tmp_path) for how in ("without", "with")}
     without, with_plugin = runs["without"], runs["with"]
     assert without.returncode == 0 and with_plugin.returncode == 0, without.stderr + with_plugin.stderr
-    assert "TPDEStrategyGuard" not in without.stdout + without.stderr
+    assert "IMPORTED False" in without.stdout
     assert "entry point 'tpde'" not in without.stdout + without.stderr
-    assert "TPDEStrategyGuard" in with_plugin.stdout
+    assert "tpde" not in with_plugin.stdout.split("CALLBACKS")[1].split("\n")[0]

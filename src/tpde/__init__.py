@@ -39,6 +39,7 @@ __all__ = [
     "StoreError",
     "TPDECheckpointIO",
     "TPDEError",
+    "TPDEModelParallelStrategy",
     "UnsafeContentError",
     "UnsupportedError",
     "WriterConflictError",
@@ -51,9 +52,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Lightning is an optional dependency, imported only when its plugin is asked for.
+    # Lightning is an optional dependency, imported only when its plugins are asked for.
     if name == "TPDECheckpointIO":
         from tpde.plugins.lightning import TPDECheckpointIO
 
         return TPDECheckpointIO
+    if name == "TPDEModelParallelStrategy":
+        from tpde.plugins.lightning_sharded import TPDEModelParallelStrategy
+
+        return TPDEModelParallelStrategy
     raise AttributeError(f"module 'tpde' has no attribute {name!r}")

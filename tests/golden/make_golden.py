@@ -8,6 +8,9 @@ regenerate one to make a test pass: a decoder that cannot read it has broken the
   re-pointed records).
 * ``chain-v4``: format 4, ``lossy_states()`` saved with ``LOSSY_BOUNDS``: error-bounded
   records on both grids, dense and sparse codes, exactly stored fixes, bounded keyframes.
+* ``chain-v5``: format 5, ``sharded_states()`` saved by two ranks (gloo) through
+  ``torch.distributed.checkpoint`` as steps 0-3, then step 1 removed: step 2 is re-based into
+  one blob, step 3 keeps one blob per rank.
 """
 
 from __future__ import annotations
@@ -18,14 +21,50 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tpde  # noqa: E402
-from states import LOSSY_BOUNDS, detour, golden_states, lossy_states  # noqa: E402
+from states import (LOSSY_BOUNDS, detour, golden_states, lossy_states,  # noqa: E402
+                    sharded_states)
 
 HERE = os.path.dirname(__file__)
 BOUNDS = {k: tpde.Abs(v) if how == "abs" else tpde.Rel(v) for k, (how, v) in LOSSY_BOUNDS.items()}
 CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}, "chain-v3": {},
           "chain-v4": {"error_bound": BOUNDS}}
 
+def sharded_rank(rank: int, out: str, port: int) -> None:
+    """One of chain-v5's two ranks."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    import tpde.dcp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    for step, state in enumerate(sharded_states()):
+        model = state["model"]
+        sharded = {"model": {"rows": distribute_tensor(model["rows"], mesh, [Shard(0)]),
+                             "cols": distribute_tensor(model["cols"], mesh, [Shard(1)]),
+                             "rep": distribute_tensor(model["rep"], mesh, [Replicate()])},
+                   "meta": state["meta"]}
+        dcp.save(sharded, storage_writer=tpde.dcp.Writer(out, step, keyframe_every=8,
+                                                         chunk_bytes=4096))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    v5 = os.path.join(HERE, "chain-v5")
+    if not os.path.exists(v5):
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(sharded_rank, args=(v5, port), nprocs=2)
+        with tpde.Checkpointer(v5, keyframe_every=8, chunk_bytes=4096) as ck:
+            print("chain-v5", ck.remove(1))
     for name, options in CHAINS.items():
         out = os.path.join(HERE, name)
         if os.path.exists(out):

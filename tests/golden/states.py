@@ -58,3 +58,22 @@ def lossy_states() -> list[dict]:
 #: chain-v4's bounds: relative on bf16 and fp32, absolute on fp32, one on integers (kept exact).
 LOSSY_BOUNDS = {"model/w": ("rel", 1e-2), "model/f": ("abs", 2.0**-12), "edge": ("rel", 1e-3),
                 "counts": ("rel", 1e-3)}
+
+
+def sharded_states() -> list[dict]:
+    """The states of chain-v5, saved by two ranks through torch.distributed.checkpoint: a
+    tensor sharded by rows (dense fp32 changes), one by columns (sparse bf16 changes), a
+    replicated one (unchanged) and plain values."""
+    rows = ((torch.arange(64 * 48) * 37 % 512 - 256) / 8).reshape(64, 48).float()
+    cols = ((torch.arange(40 * 30) * 11 % 256 - 128) / 4).reshape(40, 30).bfloat16()
+    rep = torch.arange(16, dtype=torch.float32)
+    states = []
+    for step in range(4):
+        if step:
+            rows = rows + 2.0**-10
+            cols = cols.clone()
+            k = torch.arange(40)
+            cols.view(-1)[(k * k * 7919 + step * 104729) % 1200] += 1
+        states.append({"model": {"rows": rows, "cols": cols, "rep": rep},
+                       "meta": {"step": step, "lr": 0.5**step}})
+    return states

@@ -1,0 +1,109 @@
+"""``TPDEModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2, tensor
+parallelism) with its sharded checkpoints stored as tpde steps.
+
+Lightning's sharded strategies save with ``torch.distributed.checkpoint`` directly and never
+call a ``CheckpointIO``, so a plugin alone cannot see their checkpoints. This subclass replaces
+only where the bytes go: every rank saves through ``tpde.dcp.Writer`` into the chain beside the
+checkpoint files (``<dirpath>/.tpde``), and rank 0 writes the checkpoint's entry, exactly as
+``TPDECheckpointIO`` does for single-process checkpoints. Everything else is Lightning's:
+``ModelCheckpoint`` top-k, ``last``, resume and removal (which the ``TPDECheckpointIO`` carries
+out: the entry goes, the chain re-bases and frees the step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from tpde import entry as entries
+from tpde.api import StepInfo
+from tpde.plugins.dcp import Reader, Writer
+from tpde.plugins.lightning import TPDECheckpointIO, _split
+
+
+class TPDEModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose checkpoints are sharded tpde steps.
+
+    ``TPDEModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=...,
+    checkpoint_io=TPDECheckpointIO(...))``: the other arguments are
+    ``ModelParallelStrategy``'s; ``checkpoint_io`` (default ``TPDECheckpointIO()``) gives the
+    chain's settings and carries out removals. Checkpoints are always sharded (one blob per
+    rank in the chain): ``save_distributed_checkpoint=False`` is refused.
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
+                 **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError("TPDEModelParallelStrategy saves sharded checkpoints; for one "
+                             "full checkpoint use ModelParallelStrategy("
+                             "save_distributed_checkpoint=False) with TPDECheckpointIO")
+        super().__init__(*args, **kwargs)
+        self._checkpoint_io = checkpoint_io or TPDECheckpointIO()
+
+    def _tpde(self) -> TPDECheckpointIO:
+        io = self.checkpoint_io
+        if not isinstance(io, TPDECheckpointIO):
+            raise TypeError(f"TPDEModelParallelStrategy needs a TPDECheckpointIO, not "
+                            f"{type(io).__name__}")
+        return io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
+                        storage_options: Any | None = None) -> None:
+        io = self._tpde()
+        path = str(self.broadcast(str(filepath)))
+        options = {**io.storage_options, **(storage_options or {})}
+        url = io._chain_url(_split(path)[0])
+        started = time.perf_counter()
+        if self.global_rank == 0:
+            io.wait()  # a removal still re-basing the chain finishes before this step starts
+        step = self.broadcast(io._checkpointer(url).next_step() if self.global_rank == 0
+                              else None)
+        meta = {k: checkpoint[k] for k in ("epoch", "global_step")
+                if type(checkpoint.get(k)) is int}
+        state = {"state_dict": checkpoint.pop("state_dict"),
+                 **{f"optimizer_{i}": s
+                    for i, s in enumerate(checkpoint.pop("optimizer_states", []))},
+                 "metadata": checkpoint}  # loops, callbacks, hyperparameters: small, replicated
+        settings = io.options
+        dcp.save(state, storage_writer=Writer(
+            url, step, keyframe_every=settings["keyframe_every"], level=settings["level"],
+            threads=settings["threads"], max_inflight_bytes=settings["max_inflight_bytes"],
+            storage_options=io.storage_options))
+        if self.global_rank == 0:
+            ckpt = io._checkpointer(url)
+            io._next[url] = step + 1
+            info = StepInfo.of(ckpt.chain.manifest(step))
+            io._publish(path, options, ckpt, info, meta,
+                        (time.perf_counter() - started) * 1e3, started)
+        self.barrier("tpde-sharded-save")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
+                        ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict,
+                                                             get_optimizer_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = str(self.broadcast(str(checkpoint_path)))
+        io = self._tpde()
+        chain, step, _ = entries.resolve(path, io.storage_options)
+        if step is None:  # a plain or DCP-folder checkpoint from before the run used tpde
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.lightning_module is not None
+        reader = lambda: Reader(chain.url, step, storage_options=io.storage_options)  # noqa: E731
+        model = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(model, storage_reader=reader())
+        self.model.load_state_dict(model["state_dict"],
+                                   strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            optim = {key: get_optimizer_state_dict(self.model, optimizer)}
+            dcp.load(optim, storage_reader=reader())
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        metadata, _ = chain.load(step, trusted=weights_only is False, keep_words=False,
+                                 within="metadata")
+        return metadata
