@@ -94,6 +94,7 @@ class Writer(StorageWriter):
         self.storage_options = storage_options
         self.rank = 0
         self._chain: Chain | None = None
+        self._started = time.perf_counter()
 
     @property
     def chain(self) -> Chain:
@@ -119,6 +120,7 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: refuse a committed step, and name the reference every rank
         codes against (the newest visible step before this one)."""
+        self._started = time.perf_counter()
         chain = self.chain
         chain._make_room(self.step)
         earlier = [s for s in chain.steps() if s < self.step]
@@ -154,7 +156,8 @@ class Writer(StorageWriter):
                 deepest = max(deepest, (keyed_at(lazy, r.ref, r.name) or (0, 0))[0] + 1)
         m = Manifest(step=self.step, keyframe=not refs, depth=deepest,
                      parent=max(refs) if refs else None, blob=None, blob_size=0,
-                     created=time.time(), seconds=0.0, skeleton=_skeleton(metadata),
+                     created=time.time(), seconds=time.perf_counter() - self._started,
+                     skeleton=_skeleton(metadata),
                      records=records,
                      format=SHARDED_FORMAT,
                      shards=list(shards.values()),

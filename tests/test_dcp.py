@@ -4,6 +4,7 @@ world size, resharded 2 -> 1 and 1 -> 2, and consolidated into one state dict.""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -131,6 +132,9 @@ def test_fsdp2_model_and_optimizer_restore_exactly(tmp_path) -> None:
     verify = subprocess.run([sys.executable, "-m", "tpde.cli", "verify", run],
                             capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+    listed = json.loads(subprocess.run([sys.executable, "-m", "tpde.cli", "ls", run, "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert [s["ranks"] for s in listed["steps"]] == [2, 2, 2]
 
     # Removing a step re-bases the one that reads from it into one blob of its own.
     ck = tpde.Checkpointer(run)
@@ -153,6 +157,8 @@ def test_a_single_process_save_and_bad_loads(tmp_path) -> None:
     with pytest.raises(BaseException, match="tensor 'w'.*saved as torch.float32"):
         dcp.load({"w": torch.zeros(3, 4, dtype=torch.float64), "n": 0},
                  storage_reader=tpde.dcp.Reader(run))
+    with pytest.raises(BaseException, match="Size mismatch"):  # DCP's own check
+        dcp.load({"w": torch.zeros(3, 5), "n": 0}, storage_reader=tpde.dcp.Reader(run))
     with pytest.raises(BaseException, match="already committed"):
         dcp.save(state, storage_writer=tpde.dcp.Writer(run, 0))
     with pytest.raises(tpde.TPDEError, match="checkpoint_id"):

@@ -89,7 +89,8 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
             table.add_row(str(r["step"]), "DAMAGED", "", "", "", f"manifest: {bad[r['step']]}")
             continue
         kind = ("key" if r["keyframe"] else f"delta<-{r['parent']}" + (
-            " (hidden)" if r["parent"] in hidden else "")) + (" LOSSY" if r["lossy"] else "")
+            " (hidden)" if r["parent"] in hidden else "")) + (" LOSSY" if r["lossy"] else "") + (
+            f" {r['ranks']} ranks" if r["ranks"] else "")
         table.add_row(str(r["step"]), kind, show.mb(r["raw_bytes"]), show.mb(r["stored_bytes"]),
                       f"{r['ratio']:.2f}x",
                       " ".join(f"{k}:{v}" for k, v in sorted(r["codecs"].items())))
@@ -131,8 +132,10 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         print(json.dumps({"run": chain.url, **show.step_row(m), "tensors": tensors,
                           "at_rest": rest.as_dict()}))
         return 0
+    sharded = (f", saved by {m.dcp.get('world_size')} ranks through "
+               f"torch.distributed.checkpoint" if m.dcp is not None else "")
     table = Table(title=f"{chain.url} step {m.step} "
-                        f"({'keyframe' if m.keyframe else f'delta against {m.parent}'})")
+                        f"({'keyframe' if m.keyframe else f'delta against {m.parent}'}{sharded})")
     table.add_column("tensor", overflow="fold", min_width=24)
     bounded = any(t["bound"] for t in tensors)
     cols = ("dtype", "numel", "codec", "ref", "changed", "stored", "ratio") + (

@@ -24,6 +24,8 @@ def step_row(m: Manifest) -> dict[str, Any]:
         "ratio": round(m.raw_bytes / max(1, m.stored_bytes), 3),
         "codecs": dict(Counter(r.codec for r in m.records)), "seconds": round(m.seconds, 3),
         "lossy": m.lossy,
+        # Sharded steps (saved through torch.distributed.checkpoint): the ranks that saved.
+        "ranks": m.dcp.get("world_size") if m.dcp is not None else None,
     }
 
 
