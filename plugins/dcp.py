@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import time
 import uuid
 from typing import Any, Iterator
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tpde import codec, dtypes, frames
-from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, MARKER, PIECE_BYTES, Chain
+from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
 from tpde.chain.write import put_sections
@@ -74,11 +75,12 @@ class _Stored:
 class Writer(StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
-    ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s. Chunks larger than
-    half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces, and each rank codes
-    at most that many bytes at once; the reference words of a chunk are read back from the
-    store as it is coded (``reference="store"`` in ``Checkpointer``'s terms), so a rank holds
-    no copy of its shards between saves.
+    ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s.
+    Chunks larger than half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces,
+    and each rank codes at most that many bytes at once; the reference words of a chunk are
+    read back from the store as it is coded (``reference="store"`` in ``Checkpointer``'s
+    terms), so a rank holds no copy of its shards between saves. The Writer takes no lease:
+    one job saves into a run at a time.
     """
 
     def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
@@ -162,8 +164,7 @@ class Writer(StorageWriter):
                      format=SHARDED_FORMAT,
                      shards=list(shards.values()),
                      dcp=_metadata_json(metadata, storage, len(results)))
-        if not chain.is_run():
-            chain.store.put_atomic(MARKER, b'{"format":"tpde","version":1}')
+        chain.mark_run()
         chain.commit(m)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -181,24 +182,32 @@ class Writer(StorageWriter):
         writer = chain.store.open_write(blob)
         prev = chain.manifest(shared.reference) if shared.reference is not None else None
         per = max(1, min(PIECE_BYTES, self.max_inflight_bytes // 2))
-        results: list[tuple[WriteItem, list[Record]]] = []
+        results: list[list[Record]] = [[] for _ in items]
+        # An item's data is taken from the planner only when its first piece is coded, and
+        # let go after its last: a rank never stages its whole state (a GPU's, say) at once.
+        held: dict[int, tuple[torch.Tensor, str]] = {}
+        for k, item in enumerate(items):
+            if item.type == WriteItemType.BYTE_IO:  # small, and its size is known only so
+                held[k] = (_as_tensor(item, planner.resolve_data(item)), "cpu")
+        todo = [p for k, item in enumerate(items)
+                for p in _pieces(k, item, held[k][0] if k in held else None, per)]
+        left = {k: sum(p.item == k for p in todo) for k in range(len(items))}
         try:
-            todo = []  # (item, record name, piece start or None, host words' tensor, device)
-            for item in items:
-                data = planner.resolve_data(item)
-                tensor = _as_tensor(item, data)
-                device = str(data.device) if isinstance(data, torch.Tensor) else "cpu"
-                names = _piece_names(item, tensor, per)
-                results.append((item, []))
-                for piece, lo, hi in names:
-                    todo.append((len(results) - 1, piece, lo if len(names) > 1 else None,
-                                 tensor.reshape(-1)[lo:hi], device))
-            sizes = [t.numel() * t.element_size() for _, _, _, t, _ in todo]
-            for batch in batches(todo, sizes, per):
-                refs = self._references(prev, [(piece, t) for _, piece, _, t, _ in batch])
-                for at, piece, start, t, device in batch:
-                    results[at][1].append(self._record(writer, prev, piece, start, t, device,
-                                                       refs.pop(piece, None)))
+            for batch in batches(todo, [p.nbytes for p in todo], per):
+                for p in batch:
+                    if p.item not in held:
+                        data = planner.resolve_data(items[p.item])
+                        held[p.item] = (_as_tensor(items[p.item], data), str(data.device))
+                words = [held[p.item][0].reshape(-1)[p.lo : p.hi] for p in batch]
+                refs = self._references(prev, [(p.name, w) for p, w in zip(batch, words)])
+                for p, w in zip(batch, words):
+                    results[p.item].append(self._record(writer, prev, p.name, p.start, w,
+                                                        held[p.item][1],
+                                                        refs.pop(p.name, None)))
+                    left[p.item] -= 1
+                    if not left[p.item]:
+                        del held[p.item]
+                del words
             writer.close()
         except TPDEError as exc:
             writer.abort()
@@ -209,7 +218,7 @@ class Writer(StorageWriter):
         return [WriteResult(index=item.index,
                             size_in_bytes=sum(r.stored_bytes for r in recs),
                             storage_data=_Stored(self.rank, blob, writer.size, recs))
-                for item, recs in results]
+                for item, recs in zip(items, results)]
 
     def _references(self, prev: Manifest | None, pieces: list[tuple[str, torch.Tensor]]
                     ) -> dict[str, torch.Tensor]:
@@ -254,18 +263,38 @@ def _as_tensor(item: WriteItem, data: Any) -> torch.Tensor:
     return data.detach().to("cpu").contiguous()
 
 
-def _piece_names(item: WriteItem, t: torch.Tensor, per_bytes: int
-                 ) -> list[tuple[str, int, int]]:
-    """The records of one item: the chunk whole, or its pieces (``<chunk>/<start>``)."""
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One record a rank writes: elements ``lo:hi`` of item ``item`` (the chunk whole, or one
+    of its pieces, named ``<chunk>/<start>``)."""
+
+    item: int
+    name: str
+    start: int | None
+    lo: int
+    hi: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.itemsize
+
+
+def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int
+            ) -> list[_Piece]:
+    """The records of item ``k`` (``data``: a byte item's bytes, already taken)."""
     if item.type == WriteItemType.BYTE_IO:
-        base = item.index.fqn
+        assert data is not None
+        base, n, size = item.index.fqn, data.numel(), 1
     else:
         chunk = item.tensor_data.chunk
         base = chunk_name(item.index.fqn, chunk.offsets, chunk.sizes)
-    n, per = t.numel(), max(1, per_bytes // max(1, t.element_size()))
+        n = math.prod(chunk.sizes)
+        size = torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
+    per = max(1, per_bytes // size)
     if n <= per:
-        return [(base, 0, n)]
-    return [(f"{base}/{lo}", lo, min(n, lo + per)) for lo in range(0, n, per)]
+        return [_Piece(k, base, None, 0, n, size)]
+    return [_Piece(k, f"{base}/{lo}", lo, lo, min(n, lo + per), size) for lo in range(0, n, per)]
 
 
 # ---------------------------------------------------------------------- metadata as JSON

@@ -45,6 +45,11 @@ class Writer(Reader):
     def blob_for(self, step: int) -> str:
         return f"{DATA}/{name(step)}-{uuid.uuid4().hex[:12]}.tpd"
 
+    def mark_run(self) -> None:
+        """Make the folder a run (``tpde.json``), if it is not one yet."""
+        if not self.is_run():
+            self.store.put_atomic(MARKER, json.dumps({"format": "tpde", "version": 1}).encode())
+
     def commit(self, m: Manifest) -> Manifest:
         """Write ``m`` (its blob is durable): the step is visible, or rewritten, from here on.
         A failed local write deletes the blob (a failed rename is final; a remote PUT may
@@ -81,8 +86,7 @@ class Writer(Reader):
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
         self._make_room(step)
-        if not self.is_run():
-            self.store.put_atomic(MARKER, json.dumps({"format": "tpde", "version": 1}).encode())
+        self.mark_run()
         started = time.perf_counter()
         todo = list(pieces(flat, min(PIECE_BYTES, max(1, max_inflight_bytes // 2))))
         prev_m = self.manifest(reference.step) if reference is not None else None
