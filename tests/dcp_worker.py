@@ -5,7 +5,7 @@
     python dcp_worker.py MODE RUN STEP(S) EXPECTED_DIR    # STEPS: N or A:B for a save
 
 Modes: ``dtensor-save`` / ``dtensor-load`` (DTensors sharded by rows and by columns, a
-replicated one and plain values) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
+replicated one and plain values; odd steps saved with ``dcp.async_save``) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
 ``fully_shard`` with AdamW). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
 state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
 
@@ -169,7 +169,10 @@ def main() -> None:
             state = dtensor_state(step, mesh)
             fault(rank, step)
             try:
-                dcp.save(state, storage_writer=writer(run, step))
+                if step % 2:  # dcp.async_save: staged, then written in the background
+                    dcp.async_save(state, storage_writer=writer(run, step)).result()
+                else:
+                    dcp.save(state, storage_writer=writer(run, step))
             except CheckpointException as exc:  # a rank failed: nothing is committed
                 print(f"rank {rank}: step {step} failed: {exc}", flush=True)
                 store.BlobWriter.write = WRITE
