@@ -27,6 +27,9 @@ import tempfile
 import time
 import warnings
 
+from tpde.chain import Chain
+from tpde.manifest import plain
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("dcp", "dcp+zstd", "tpde.dcp", "tpde (1 process)")
 
@@ -174,6 +177,20 @@ def main() -> None:
                   "tpde.dcp": folder_bytes(os.path.join(out, "tpde.dcp")),
                   "tpde (1 process)": folder_bytes(os.path.join(out, "tpde1"))}
         state_bytes = folder_bytes(os.path.join(out, "dcp", "0"))
+        chain = {}
+
+        for m in ("tpde.dcp", "tpde1"):
+            c = Chain(os.path.join(out, m))
+            steps = c.steps()
+            framed = c.store.read(f"steps/{steps[-1]:020d}.json")
+            chain[m] = {"stored_bytes_per_save": [c.manifest(s).stored_bytes for s in steps],
+                        "records_per_save": len(c.manifest(steps[-1]).records),
+                        "manifest_bytes": len(framed), "manifest_json_bytes": len(plain(framed))}
+        ours = chain["tpde.dcp"]
+        per_save = [round(b / 1e6, 1) for b in ours["stored_bytes_per_save"]]
+        print(f"tpde.dcp per save: {per_save} MB; manifest {ours['manifest_bytes'] / 1e3:.1f} kB "
+              f"stored, {ours['manifest_json_bytes'] / 1e3:.1f} kB of JSON for "
+              f"{ours['records_per_save']} records")
         rows = []
         print(f"{args.saves} saves of a {state_bytes / 1e6:.1f} MB FSDP2 state (2 ranks); "
               "bytes at rest, ratio against DCP, median save seconds, restore of the last step")
@@ -191,7 +208,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"state_bytes_per_save": state_bytes, "saves": args.saves,
                        "every": args.every, "dim": args.dim, "layers": args.layers,
-                       "vocab": args.vocab, "rows": rows}, f, indent=1)
+                       "vocab": args.vocab, "rows": rows, "chains": chain}, f, indent=1)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
