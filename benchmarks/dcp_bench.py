@@ -79,6 +79,10 @@ def rank_main(args: argparse.Namespace) -> None:
         times[method].append(time.perf_counter() - t)
 
     saved = []
+    # The single-process run keeps one writer, as a training job does: each save is a delta
+    # against the one before.
+    single_writer = tpde.Checkpointer(os.path.join(out, "tpde1"), reference="store") \
+        if rank == 0 else None
     for step in range(args.saves * args.every):
         x = torch.randint(0, args.vocab, (8, 32), generator=g)
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, args.vocab),
@@ -102,11 +106,12 @@ def rank_main(args: argparse.Namespace) -> None:
             fm, fo = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
                                                                          cpu_offload=True))
             if rank == 0:
-                with tpde.Checkpointer(os.path.join(out, "tpde1")) as ck:
-                    ck.save(n, {"model": fm, "optim": fo})
+                single_writer.save(n, {"model": fm, "optim": fo})
 
         timed("tpde (1 process)", single)
         saved.append(n)
+    if single_writer is not None:
+        single_writer.close()
     last = saved[-1]
     restore: dict[str, float] = {}
 
