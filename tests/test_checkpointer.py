@@ -265,6 +265,36 @@ def test_one_tensor_is_read_by_range_without_the_whole_blob(store_url) -> None:
     assert 0 < sum(fetched) < blob_size / 4
 
 
+BLOB = bytes(range(256)) * 1200  # 300 KiB, every offset's byte known
+
+
+@given(spans=st.lists(st.tuples(st.integers(0, len(BLOB)), st.integers(0, 90_000)),
+                      min_size=1, max_size=30))
+def test_read_ranges_gives_every_range_and_merges_neighbours(spans) -> None:
+    """Ranges in any order, overlapping, touching, far apart or empty: each comes back exact,
+    and ranges within the coalescing gap of each other cost one request."""
+    s = store.Store("memory://tpde-ranges")
+    s.put_atomic("blob", BLOB)
+    ranges = [(a, min(len(BLOB), a + n)) for a, n in spans]
+    asked: list[int] = []
+    cat_ranges = s.fs.cat_ranges
+
+    def counting(paths, starts, ends, **kw):
+        asked.append(len(paths))
+        return cat_ranges(paths, starts, ends, **kw)
+
+    s.fs.cat_ranges = counting
+    try:
+        got = s.read_ranges("blob", ranges)
+    finally:
+        s.fs.cat_ranges = cat_ranges
+    assert [bytes(g) for g in got] == [BLOB[a:b] for a, b in ranges]
+    ordered = sorted(ranges)
+    apart = sum(b_start > a_end + store.COALESCE_GAP for (_, a_end), (b_start, _)
+                in zip(ordered, ordered[1:]))
+    assert asked[0] <= 1 + apart + sum(b - a for a, b in ranges) // store.COALESCE_SPAN
+
+
 def test_unstorable_value_is_refused_before_anything_is_written(tmp_path) -> None:
     ck = tpde.Checkpointer(str(tmp_path / "r"))
     ck.save(0, {"w": torch.ones(1000)})
