@@ -7,7 +7,9 @@ glibc's mmap threshold fixed, as the README says to for memory-tight jobs):
 - a restore holds the restored state plus at most 6 decode batches
   (``tpde.chain.DECODE_BATCH_BYTES``): the batch being applied and the one read ahead, each
   compressed and decompressed, and one record's temporaries;
-- a mount at budget 0 peaks below a dense load of the same step.
+- a mount at budget 0 peaks below a dense load of the same step;
+- a rank saving its shards through tpde.dcp stays within the same bounds as a save with
+  reference="store".
 """
 
 from __future__ import annotations
@@ -63,3 +65,18 @@ def test_a_mount_at_budget_zero_peaks_below_a_dense_load(tmp_path, dtype: str) -
                               case, dtype, "small"], capture_output=True, text=True, check=True)
         peaks[case] = json.loads(out.stdout.strip().splitlines()[-1])["peak_extra_mb"]
     assert peaks["default"] < peaks["dense"], peaks
+
+
+def test_a_sharded_save_keeps_each_rank_within_the_in_flight_bound(tmp_path) -> None:
+    """Two ranks of 256 MB each saving through tpde.dcp with max_inflight_bytes = 32 MiB: the
+    keyframe and the delta (its references read back from the store) stay within the bounds a
+    single-process save with reference="store" keeps."""
+    out = tmp_path / "memory.json"
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "dcp_memory.py")
+    subprocess.run([sys.executable, script, "--json", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    found = json.loads(out.read_text())
+    inflight = found["max_inflight_bytes"] / MB
+    for rank in found["ranks"]:
+        assert rank["tpde step 0"] < 4 * inflight, rank
+        assert rank["tpde step 1"] < 7 * inflight, rank
