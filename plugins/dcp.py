@@ -39,7 +39,7 @@ from tpde.chain.base import name as step_name
 from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
 from tpde.chain.write import put_sections
 from tpde.errors import FormatError, TPDEError, UnsupportedError
-from tpde.manifest import Manifest, Record, SHARDED_FORMAT, content_hash
+from tpde.manifest import Manifest, Record, format_for, record_hash
 
 __all__ = ["Reader", "Writer", "load_full"]
 
@@ -161,7 +161,7 @@ class Writer(StorageWriter):
                      created=time.time(), seconds=time.perf_counter() - self._started,
                      skeleton=_skeleton(metadata),
                      records=records,
-                     format=SHARDED_FORMAT,
+                     format=format_for(records, sharded=True),
                      shards=list(shards.values()),
                      dcp=_metadata_json(metadata, storage, len(results)))
         chain.mark_run()
@@ -249,7 +249,7 @@ class Writer(StorageWriter):
             before = prev.record(piece)
             ref = before.ref if enc.codec == "same" and before.codec == "same" else prev.step
         digest = (prev.record(piece).hash if enc.codec == "same" and prev is not None
-                  else content_hash(words.view(torch.uint8).numpy()))
+                  else record_hash(words.view(torch.uint8).numpy()))
         return Record(piece, dt.name, t.numel(), device, enc.codec, digest, ref,
                       enc.residual, enc.count, put_sections(writer, enc.sections), start)
 

@@ -62,7 +62,7 @@ def test_dtensor_steps_are_deltas_restore_exactly_and_reshard(tmp_path) -> None:
     assert chain.steps() == [0, 1, 2]
     for step in (1, 2):
         m = chain.manifest(step)
-        assert m.format == 5 and len(m.shards) == 2 and m.dcp["world_size"] == 2
+        assert m.format == 6 and len(m.shards) == 2 and m.dcp["world_size"] == 2
         codecs = {r.name: r.codec for r in m.records}
         # Each rank's chunk of the row- and column-sharded tensors is a delta of itself.
         assert codecs["model.rows[0:32,0:48]"] in ("dense", "sparse")
@@ -141,7 +141,7 @@ def test_fsdp2_model_and_optimizer_restore_exactly(tmp_path) -> None:
     ck.remove(1)
     ck.gc(grace_seconds=0)
     m = Chain(run).manifest(2)
-    assert m.shards == [] and m.format == 5 and all(r.ref != 1 for r in m.records)
+    assert m.shards == [] and m.format == 6 and all(r.ref != 1 for r in m.records)
     again = tpde.dcp.load_full(run, 2)
     for k, v in expected["model"].items():
         assert torch.equal(again["model"][k], v), k

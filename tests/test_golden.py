@@ -1,7 +1,8 @@
 """The committed golden chains must decode bit-exactly forever: format 1 (whole spans), format 2
 (large spans stored in pieces), format 3 (steps re-based into new blobs), format 4
 (error-bounded records: within their bounds of the saved states, and hash-checked) and format 5
-(sharded steps written by two ranks through torch.distributed.checkpoint)."""
+(sharded steps written by two ranks through torch.distributed.checkpoint) and format 6 (record
+hashes by XXH3-128)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
 from states import LOSSY_BOUNDS, golden_states, lossy_states, sharded_states  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-CHAINS = ("chain-v1", "chain-v2", "chain-v3")
+CHAINS = ("chain-v1", "chain-v2", "chain-v3", "chain-v6")
 #: Where each chain stores golden state i (chain-v3 kept the odd steps of its run).
-STEP = {"chain-v1": lambda i: i, "chain-v2": lambda i: i, "chain-v3": lambda i: 2 * i + 1}
+STEP = {"chain-v1": lambda i: i, "chain-v2": lambda i: i, "chain-v3": lambda i: 2 * i + 1,
+        "chain-v6": lambda i: i}
 
 
 @pytest.mark.parametrize("name", CHAINS)
@@ -100,3 +102,35 @@ def test_golden_v5_holds_sharded_and_rebased_steps() -> None:
     assert chain.manifest(2).origin is not None  # re-based: one blob, its first name kept
     assert {r.codec for r in chain.manifest(3).records} >= {"same", "sparse", "dense"}
     assert all(chain.manifest(s).format == 5 for s in chain.steps())
+
+
+def test_golden_v6_records_hash_with_xxh3() -> None:
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v6")).chain
+    assert all(chain.manifest(s).format == 6 for s in chain.steps())
+    assert all(r.hash.startswith("xxh3:") for s in chain.steps()
+               for r in chain.manifest(s).records)
+
+
+def test_a_chain_of_an_older_format_goes_on_with_new_hashes(tmp_path) -> None:
+    """New steps on a BLAKE2b chain hash with XXH3; unchanged records keep the hash they had;
+    a re-base of an older step keeps its hashes and its format; everything still verifies."""
+    import shutil
+
+    run = str(tmp_path / "v3")
+    shutil.copytree(os.path.join(GOLDEN, "chain-v3"), run)
+    states = golden_states()
+    with tpde.Checkpointer(run) as ck:
+        assert_same(states[4], ck.load(9))
+        ck.save(10, states[4])  # unchanged: every record points at step 9's data
+        ck.save(11, states[3])
+    chain = tpde.Checkpointer(run).chain
+    same = chain.manifest(10)
+    assert same.format == 3 and {r.codec for r in same.records} == {"same"}
+    new = chain.manifest(11)
+    assert new.format == 6 and any(r.hash.startswith("xxh3:") for r in new.records)
+    with tpde.Checkpointer(run) as ck:
+        ck.remove(7)
+        assert ck.chain.manifest(9).format == 3
+        assert_same(states[4], ck.load(9))
+        assert_same(states[3], ck.load(11))
+        assert ck.verify() == []

@@ -87,18 +87,19 @@ def test_a_delta_stores_only_the_pieces_that_changed(pieced) -> None:
     codecs = {r.name: r.codec for r in pieces_of(m, "w")}
     assert len(codecs) == 8 and codecs.pop("w/4096") == "sparse"
     assert set(codecs.values()) == {"same"}
-    assert m.format == 3
+    assert m.format == 6
 
 
-def test_new_steps_are_written_as_zstd_framed_format_3_manifests(tmp_path) -> None:
+def test_new_steps_are_written_as_zstd_framed_manifests_with_xxh3_hashes(tmp_path) -> None:
     import zstandard
 
     with tpde.Checkpointer(str(tmp_path / "run")) as ck:
         ck.save(0, {"w": torch.zeros(1000)})
-        assert ck.chain.manifest(0).format == 3
+        assert ck.chain.manifest(0).format == 6
+        assert ck.chain.manifest(0).records[0].hash.startswith("xxh3:")
     raw = (tmp_path / "run" / "steps" / f"{0:020d}.json").read_bytes()
     text = zstandard.ZstdDecompressor().decompress(raw)  # any zstd decoder reads it
-    assert json.loads(text)["body"]["format"] == 3
+    assert json.loads(text)["body"]["format"] == 6
 
 
 def test_a_damaged_piece_is_named_and_the_others_still_restore(pieced) -> None:

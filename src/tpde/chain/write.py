@@ -14,7 +14,7 @@ import torch
 
 from .. import codec, dtypes, frames, quant, tree
 from ..errors import StepExistsError, TPDEError
-from ..manifest import Manifest, Record, SectionRef, content_hash, format_for, parse
+from ..manifest import Manifest, Record, SectionRef, format_for, parse, record_hash
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
 from .plan import Candidate, Piece, keyed_at, pieces, plan_keys
@@ -122,7 +122,7 @@ class Writer(Reader):
                 host = enc.words.to("cpu")
             # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
             digest = (prev_m.record(piece.name).hash if enc.codec == "same"
-                      else content_hash(host.view(torch.uint8).numpy()))
+                      else record_hash(host.view(torch.uint8).numpy()))
             return dt, host if keep_reference else None, enc, digest, bound
 
         def commit(piece: Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str,
