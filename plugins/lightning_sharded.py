@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from tpde import entry as entries
+from tpde import tree
 from tpde.api import StepInfo
 from tpde.plugins.dcp import Reader, Writer
 from tpde.plugins.lightning import TPDECheckpointIO, _split
@@ -63,12 +64,11 @@ class TPDEModelParallelStrategy(ModelParallelStrategy):
                               else None)
         meta = {k: checkpoint[k] for k in ("epoch", "global_step")
                 if type(checkpoint.get(k)) is int}
-        state = {"state_dict": checkpoint.pop("state_dict"),
-                 **{f"optimizer_{i}": s
-                    for i, s in enumerate(checkpoint.pop("optimizer_states", []))},
-                 "metadata": checkpoint}  # loops, callbacks, hyperparameters: small, replicated
+        # Lightning's own layout, its model and optimizer states sharded: a consolidated
+        # restore (``tpde restore last.ckpt --output plain.ckpt``) is a plain Lightning
+        # checkpoint.
         settings = io.options
-        dcp.save(state, storage_writer=Writer(
+        dcp.save(checkpoint, storage_writer=Writer(
             url, step, keyframe_every=settings["keyframe_every"], level=settings["level"],
             threads=settings["threads"], max_inflight_bytes=settings["max_inflight_bytes"],
             storage_options=io.storage_options))
@@ -98,12 +98,16 @@ class TPDEModelParallelStrategy(ModelParallelStrategy):
         dcp.load(model, storage_reader=reader())
         self.model.load_state_dict(model["state_dict"],
                                    strict=self.lightning_module.strict_loading)
-        for i, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{i}"
-            optim = {key: get_optimizer_state_dict(self.model, optimizer)}
+        if self.optimizers:
+            optim = {"optimizer_states": [get_optimizer_state_dict(self.model, o)
+                                          for o in self.optimizers]}
             dcp.load(optim, storage_reader=reader())
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim[key],
-                                     options=StateDictOptions(cpu_offload=True))
-        metadata, _ = chain.load(step, trusted=weights_only is False, keep_words=False,
-                                 within="metadata")
-        return metadata
+            for optimizer, state in zip(self.optimizers, optim["optimizer_states"]):
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state,
+                                         options=StateDictOptions(cpu_offload=True))
+        # The rest (loops, callbacks, hyperparameters) is small: read part by part, so that
+        # the model and optimizer states are not consolidated here.
+        skeleton = chain.manifest(step).skeleton
+        return {key: chain.load(step, trusted=weights_only is False, keep_words=False,
+                                within=key)[0]
+                for key in tree.keys(skeleton) if key not in ("state_dict", "optimizer_states")}

@@ -284,6 +284,13 @@ def test_model_parallel_sharded_checkpoints_through_tpde_match_dcp(tmp_path) -> 
     chain = Chain(str(ours / ".tpde"))
     assert all(chain.manifest(s).dcp is not None for s in chain.steps())
     assert len(chain.steps()) == 3  # what the three entries name: removed steps were freed
+    # The last checkpoint, consolidated by the CLI: a plain Lightning checkpoint.
+    plain = tmp_path / "plain.ckpt"
+    subprocess.run([sys.executable, "-m", "tpde.cli", "restore", str(ours / "last.ckpt"),
+                    "--output", str(plain)], check=True, capture_output=True)
+    ckpt = torch.load(plain, weights_only=False)
+    assert ckpt["global_step"] == 12 and len(ckpt["optimizer_states"]) == 1 and "loops" in ckpt
+    assert all(torch.equal(ckpt["state_dict"][k], a[k]) for k in a)
 
 
 def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:
