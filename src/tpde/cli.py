@@ -25,7 +25,7 @@ from .against import distances
 from .chain import Chain, lossy_summary, span_words
 from .errors import LossyWarning, TPDEError
 from .lease import Lease
-from .mount import weights_key
+from .keys import weights_key
 
 err = show.err
 

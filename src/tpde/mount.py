@@ -17,21 +17,17 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from . import dtypes
+from . import dtypes, keys
 from .heap import return_freed_memory
 from . import entry as entries
 from .chain import Chain, span_words
 from .chain import sharded
 from .errors import CorruptionError, TPDEError
 from .store import Store
-
-#: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
-_CONTAINERS = ("state_dict", "model", "module", "")
-
 
 @dataclass(frozen=True)
 class _Slot:
@@ -57,43 +53,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _items(node: Any) -> Iterator[tuple[Any, Any]]:
-    """Key/value pairs of a skeleton dict, plain or tagged (``$dict``)."""
-    if isinstance(node, dict) and "$dict" in node:
-        for k, v in node["$dict"]:
-            yield k, v
-    elif isinstance(node, dict) and not any(str(k).startswith("$") for k in node):
-        yield from node.items()
-
-
-def _tensor_leaves(node: Any) -> dict[str, dict[str, Any]]:
-    """Stored tensors by key: views of spans, or a sharded step's items (with their shape)."""
-    return {str(k): v for k, v in _items(node)
-            if isinstance(v, dict) and ("$t" in v or ("$dcp" in v and "shape" in v))}
-
-
-def _match(skeleton: Any, shapes: dict[str, tuple[int, ...]]
-           ) -> tuple[dict[str, dict[str, Any]], str, str]:
-    """The stored tensors of the model's keys (of the same shapes): searched in the usual
-    containers, with a key prefix. Returns (key -> view node, container, prefix), best first.
-    """
-    keys = list(shapes)
-    best: tuple[int, dict[str, dict[str, Any]], str, str] = (-1, {}, "", "")
-    top = dict(_items(skeleton))
-    for name in _CONTAINERS:
-        node = skeleton if name == "" else top.get(name)
-        stored = _tensor_leaves(node)
-        if not stored:
-            continue
-        prefixes = {""} | {s[: -len(k)] for s in stored for k in keys[:50] if s.endswith("." + k)}
-        for prefix in prefixes:
-            found = {k: stored[prefix + k] for k in keys if prefix + k in stored
-                     and tuple(stored[prefix + k].get("shape", ())) == shapes[k]}
-            if len(found) > best[0]:
-                best = (len(found), found, name, prefix)
-    return best[1], best[2], best[3]
 
 
 #: Modules whose forward reads their children's weights directly (not through the children's
@@ -184,13 +143,14 @@ class Mount:
         self.stats = MountStats()
         m = chain.manifest(step)
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        keys = list(shapes)
-        found, self.container, self.prefix = _match(m.skeleton, shapes)
-        missing = [k for k in keys if k not in found]
+        wanted = list(shapes)
+        found, self.container, self.prefix = keys.match(m.skeleton, shapes)
+        missing = [k for k in wanted if k not in found]
         if missing:
             raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
-                            f"{len(keys)} state-dict keys of the same shape (first: {missing[:3]});"
-                            " build the model whose checkpoint this is", run=chain.url, step=step)
+                            f"{len(wanted)} state-dict keys of the same shape (first: "
+                            f"{missing[:3]}); build the model whose checkpoint this is",
+                            run=chain.url, step=step)
         spans = m.spans()
         self.slots: dict[str, list[tuple[str, str, bool, _Slot]]] = {}
         for key, node in found.items():
@@ -500,17 +460,10 @@ def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module
     skeleton = chain.manifest(step).skeleton
     if model is not None:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        _, container, prefix = _match(skeleton, shapes)
+        _, container, prefix = keys.match(skeleton, shapes)
         node, _ = chain.load(step, map_location=map_location, keep_words=False,
                              within=container or None)  # the model's part only
         return OrderedDict((k, node[prefix + k]) for k in shapes if prefix + k in node)
-    container = weights_key(skeleton)
+    container = keys.weights_key(skeleton)
     state, _ = chain.load(step, map_location=map_location, keep_words=False, within=container)
     return state
-
-
-def weights_key(skeleton: Any) -> str | None:
-    """The top-level key holding a model's state dict in the usual layouts (Lightning's
-    ``state_dict``, ``{"model": ...}``), or None when the checkpoint is a state dict itself."""
-    top = dict(_items(skeleton))
-    return next((name for name in _CONTAINERS[:-1] if _tensor_leaves(top.get(name))), None)
