@@ -1,6 +1,7 @@
 """A 2-rank FSDP2 fine-tune (gloo on the CPU) checkpointed every few steps four ways, from the
 same states: DCP's ``FileSystemWriter``, the same with DCP's experimental ``ZStandard``
-extension, ``tpde.dcp.Writer`` (sharded, each rank its own deltas), and a single-process
+extension, ``tpde.dcp.Writer`` (sharded, each rank its own deltas; references read back from
+the store, or kept in host memory with ``reference="host"``), and a single-process
 ``tpde.Checkpointer`` save of the gathered full state (what a run without DCP would do).
 
 Measured: bytes at rest after all saves, each save's time (wall clock around ``dcp.save``,
@@ -31,7 +32,7 @@ from tpde.chain import Chain
 from tpde.manifest import plain
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-METHODS = ("dcp", "dcp+zstd", "tpde.dcp", "tpde (1 process)")
+METHODS = ("dcp", "dcp+zstd", "tpde.dcp", "tpde.dcp, host ref", "tpde (1 process)")
 
 
 def folder_bytes(path: str) -> int:
@@ -101,6 +102,8 @@ def rank_main(args: argparse.Namespace) -> None:
             os.path.join(out, "dcp+zstd", str(n)), _extensions=[ZStandard()])))
         timed("tpde.dcp", lambda: dcp.save(state, storage_writer=tpde.dcp.Writer(
             os.path.join(out, "tpde.dcp"), n)))
+        timed("tpde.dcp, host ref", lambda: dcp.save(state, storage_writer=tpde.dcp.Writer(
+            os.path.join(out, "tpde.dcp-host"), n, reference="host")))
 
         def single() -> None:
             fm, fo = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
@@ -124,7 +127,9 @@ def rank_main(args: argparse.Namespace) -> None:
                            ("dcp+zstd", lambda: dcp.FileSystemReader(
                                os.path.join(out, "dcp+zstd", str(last)))),
                            ("tpde.dcp", lambda: tpde.dcp.Reader(os.path.join(out, "tpde.dcp"),
-                                                                last))):
+                                                                last)),
+                           ("tpde.dcp, host ref", lambda: tpde.dcp.Reader(
+                               os.path.join(out, "tpde.dcp-host"), last))):
         state = fresh()
         dist.barrier()
         t = time.perf_counter()
@@ -180,6 +185,7 @@ def main() -> None:
         stored = {"dcp": folder_bytes(os.path.join(out, "dcp")),
                   "dcp+zstd": folder_bytes(os.path.join(out, "dcp+zstd")),
                   "tpde.dcp": folder_bytes(os.path.join(out, "tpde.dcp")),
+                  "tpde.dcp, host ref": folder_bytes(os.path.join(out, "tpde.dcp-host")),
                   "tpde (1 process)": folder_bytes(os.path.join(out, "tpde1"))}
         state_bytes = folder_bytes(os.path.join(out, "dcp", "0"))
         chain = {}
@@ -207,7 +213,7 @@ def main() -> None:
                    "save_seconds": measured["save_seconds"][m],
                    "restore_seconds": measured["restore_seconds"][m]}
             rows.append(row)
-            print(f"  {m:17s} {stored[m] / 1e6:8.1f} MB  {row['ratio_vs_dcp']:5.2f}x  "
+            print(f"  {m:19s} {stored[m] / 1e6:8.1f} MB  {row['ratio_vs_dcp']:5.2f}x  "
                   f"save {row['save_seconds_median']:6.2f} s  "
                   f"restore {row['restore_seconds']:6.2f} s")
         with open(args.json, "w") as f:

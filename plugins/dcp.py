@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from tpde import codec, dtypes, frames
+from tpde.api import check_reference
 from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
@@ -65,22 +66,32 @@ class _Stored:
     records: list[Record]
 
 
+#: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
+_HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+
+
 class Writer(StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
     ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s.
     Chunks larger than half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces,
     and each rank codes at most that many bytes at once; the reference words of a chunk are
-    read back from the store as it is coded (``reference="store"`` in ``Checkpointer``'s
-    terms), so a rank holds no copy of its shards between saves. The Writer takes no lease:
-    one job saves into a run at a time.
+    read back from the store as it is coded (``reference="store"``, the default), so a rank
+    holds no copy of its shards between saves. ``reference="host"`` keeps a copy of this
+    rank's words of each save in the process for the next one, which then reads back only the
+    chunks another rank wrote before: faster saves for a shard's worth of host memory. The
+    Writer takes no lease: one job saves into a run at a time.
     """
 
     def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  level: int | None = None, chunk_bytes: int = frames.DEFAULT_CHUNK,
                  threads: int | None = None, max_inflight_bytes: int = 256 << 20,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 reference: str = "store", storage_options: dict[str, Any] | None = None
+                 ) -> None:
         super().__init__()
+        check_reference(reference)
+        self.reference = reference
+        self._keep: dict[str, torch.Tensor] | None = None
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
         self.run, self.step = run, step
@@ -125,7 +136,15 @@ class Writer(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         shared: _Plan = plan.storage_data
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(self._write(plan.items, planner, shared))
+        key = (self.chain.url, self.rank)
+        self._keep = {} if self.reference == "host" else None
+        results = self._write(plan.items, planner, shared)
+        if self._keep is not None:
+            # Kept for the next save, which uses it only if this step is its reference (a
+            # step the coordinator fails to commit never is).
+            _HELD[key] = (self.step, self._keep)
+        self._keep = None
+        fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -230,7 +249,14 @@ class Writer(StorageWriter):
                                           and self.chain.manifest(found[1]).keyframe)
         keyed = plan_keys(list(usable.values()), self.keyframe_every)
         wanted = [p for p in usable if p not in keyed]
-        return self.chain.materialize(prev.step, wanted) if wanted else {}
+        held = _HELD.get((self.chain.url, self.rank)) if self.reference == "host" else None
+        out = {}
+        if held is not None and held[0] == prev.step:  # this rank's words of that very step
+            out = {p: held[1][p] for p in wanted if p in held[1]}
+        rest = [p for p in wanted if p not in out]  # chunks another rank wrote last time
+        if rest:
+            out.update(self.chain.materialize(prev.step, rest))
+        return out
 
     def _record(self, writer: Any, prev: Manifest | None, piece: str, start: int | None,
                 t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
@@ -243,6 +269,8 @@ class Writer(StorageWriter):
             ref = before.ref if enc.codec == "same" and before.codec == "same" else prev.step
         digest = (prev.record(piece).hash if enc.codec == "same" and prev is not None
                   else record_hash(words.view(torch.uint8).numpy()))
+        if self._keep is not None:  # the next save's reference: a copy training cannot change
+            self._keep[piece] = words.clone()
         return Record(piece, dt.name, t.numel(), device, enc.codec, digest, ref,
                       enc.residual, enc.count, put_sections(writer, enc.sections), start)
 

@@ -12,6 +12,7 @@ state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it wit
 ``TPDE_FAULT=RANK,STEP,KIND,N`` makes rank RANK's save of step STEP meet a fault at its N-th
 store operation: ``kill`` (SIGKILL, as ``campaigns/crash.py`` does) or ``fail`` (the disk
 refuses a write). After a failed save every rank saves the same step again.
+``TPDE_REFERENCE`` is the Writers' ``reference``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ OPTIONS = json.loads(os.environ.get("TPDE_STORAGE_OPTIONS", "null"))
 
 
 def writer(run: str, step: int) -> tpde.dcp.Writer:
-    return tpde.dcp.Writer(run, step, storage_options=OPTIONS)
+    return tpde.dcp.Writer(run, step, storage_options=OPTIONS,
+                           reference=os.environ.get("TPDE_REFERENCE", "store"))
 
 
 def reader(run: str, step: int | None) -> tpde.dcp.Reader:

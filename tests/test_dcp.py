@@ -239,3 +239,20 @@ def test_large_chunks_are_stored_in_pieces_and_coded_as_deltas(tmp_path) -> None
     back = {"w": torch.zeros(100, 100)}
     dcp.load(back, storage_reader=tpde.dcp.Reader(run))
     assert torch.equal(back["w"], w)
+
+
+def test_host_references_code_exactly_as_store_references(tmp_path) -> None:
+    """reference="host" keeps each rank's words between saves instead of reading them back:
+    the same records, byte for byte, and the steps restore."""
+    want = tmp_path / "expected"
+    want.mkdir()
+    runs = {}
+    for how in ("store", "host"):
+        runs[how] = str(tmp_path / how)
+        ranks(2, "dtensor-save", runs[how], 3, want, env={"TPDE_REFERENCE": how})
+    a, b = Chain(runs["store"]), Chain(runs["host"])
+    for step in (1, 2):
+        mine = {r.name: (r.codec, r.ref, r.hash, r.stored_bytes) for r in b.manifest(step).records}
+        assert mine == {r.name: (r.codec, r.ref, r.hash, r.stored_bytes)
+                        for r in a.manifest(step).records}
+    ranks(2, "dtensor-load", runs["host"], 2, want)
