@@ -60,7 +60,6 @@ class _Plan:
 class _Stored:
     """Where a rank put one item: its records, in the rank's blob."""
 
-    rank: int
     blob: str
     size: int
     records: list[Record]
@@ -229,7 +228,7 @@ class Writer(StorageWriter):
             raise
         return [WriteResult(index=item.index,
                             size_in_bytes=sum(r.stored_bytes for r in recs),
-                            storage_data=_Stored(self.rank, blob, writer.size, recs))
+                            storage_data=_Stored(blob, writer.size, recs))
                 for item, recs in zip(items, results)]
 
     def _references(self, prev: Manifest | None, pieces: list[tuple[str, torch.Tensor]]
