@@ -35,7 +35,7 @@ from tpde import codec, dtypes, frames
 from tpde.api import check_reference
 from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
-from tpde.chain.plan import Candidate, batches, keyed_at, plan_keys
+from tpde.chain.plan import batches, candidates, plan_keys, record_depth
 from tpde.chain.write import put_sections
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.manifest import Manifest, Record, format_for, record_hash
@@ -162,11 +162,7 @@ class Writer(StorageWriter):
                 key = (wr.index.fqn, None if wr.index.offset is None else tuple(wr.index.offset))
                 storage[key] = [r.name for r in stored.records]
         refs = {r.ref for r in records if r.ref is not None}
-        deepest = 0
-        lazy = chain.lazy()
-        for r in records:
-            if r.ref is not None and r.codec != "same":
-                deepest = max(deepest, (keyed_at(lazy, r.ref, r.name) or (0, 0))[0] + 1)
+        deepest = max((record_depth(chain.lazy(), r) for r in records), default=0)
         m = Manifest(step=self.step, keyframe=not refs, depth=deepest,
                      parent=max(refs) if refs else None, blob=None, blob_size=0,
                      created=time.time(), seconds=time.perf_counter() - self._started,
@@ -236,17 +232,10 @@ class Writer(StorageWriter):
         """The previous step's words of the pieces that are coded as deltas here."""
         if prev is None:
             return {}
-        lazy = self.chain.lazy()
-        usable = {}
-        for piece, t in pieces:
-            rec = prev.record(piece)
-            if rec is not None and rec.numel == t.numel() \
-                    and rec.dtype == dtypes.of_tensor(t, name=piece).name:
-                found = keyed_at(lazy, prev.step, piece)
-                usable[piece] = Candidate(piece, found[0] if found else None,
-                                          found is not None
-                                          and self.chain.manifest(found[1]).keyframe)
-        keyed = plan_keys(list(usable.values()), self.keyframe_every)
+        usable = [piece for piece, t in pieces
+                  if (rec := prev.record(piece)) is not None and rec.numel == t.numel()
+                  and rec.dtype == dtypes.of_tensor(t, name=piece).name]
+        keyed = plan_keys(candidates(self.chain.lazy(), prev.step, usable), self.keyframe_every)
         wanted = [p for p in usable if p not in keyed]
         held = _HELD.get((self.chain.url, self.rank)) if self.reference == "host" else None
         out = {}

@@ -87,6 +87,18 @@ def phase(name: str, keyframe_every: int) -> int:
     return zlib.crc32(name.encode()) % max(1, keyframe_every // 2)
 
 
+def candidates(manifests: Mapping[int, Manifest], step: int, names: Iterable[str]
+               ) -> list[Candidate]:
+    """The tensors ``names`` as candidates for ``plan_keys``, against their records at
+    ``step``."""
+    out = []
+    for name in names:
+        found = keyed_at(manifests, step, name)
+        out.append(Candidate(name, found[0] if found else None,
+                             found is not None and manifests[found[1]].keyframe))
+    return out
+
+
 def plan_keys(candidates: Sequence[Candidate], keyframe_every: int) -> set[str]:
     """The tensors re-keyed at this step.
 

@@ -17,7 +17,7 @@ from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, format_for, parse, record_hash
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
-from .plan import Candidate, Piece, keyed_at, pieces, plan_keys
+from .plan import Candidate, Piece, candidates, pieces, plan_keys
 from .read import Reader
 
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
@@ -90,11 +90,10 @@ class Writer(Reader):
         started = time.perf_counter()
         todo = list(pieces(flat, min(PIECE_BYTES, max(1, max_inflight_bytes // 2))))
         prev_m = self.manifest(reference.step) if reference is not None else None
-        lineages = {p.name: keyed_at(self.lazy(), prev_m.step, p.name) if prev_m else None
-                    for p in todo}
-        depths = {k: v[0] if v else None for k, v in lineages.items()}
-        keyed = plan_keys([Candidate(k, depths[k], v is not None and self.manifest(v[1]).keyframe)
-                           for k, v in lineages.items()], keyframe_every)
+        found = candidates(self.lazy(), prev_m.step, [p.name for p in todo]) if prev_m \
+            else [Candidate(p.name, None) for p in todo]
+        depths = {c.name: c.depth for c in found}
+        keyed = plan_keys(found, keyframe_every)
         blob_rel = self.blob_for(step)
         writer = self.store.open_write(blob_rel)
         records: list[Record] = []
