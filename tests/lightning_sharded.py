@@ -79,6 +79,13 @@ def main(folder: str, epochs: int, how: str) -> None:
         torch.save(full, os.path.join(folder, "final.pt"))
         with open(os.path.join(folder, "resumed.txt"), "w") as f:
             f.write(str(start["step"]))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written: skip interpreter teardown, where gloo's worker threads sometimes
+    # abort the process ("terminate called without an active exception").
+    os._exit(0)
 
 
 if __name__ == "__main__":
