@@ -35,6 +35,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 METHODS = ("dcp", "dcp+zstd", "tpde.dcp", "tpde.dcp, host ref", "tpde (1 process)")
 
 
+def launch_ranks(argv: list[str]) -> None:
+    """Run ``argv`` as 2 ranks of one gloo group (one thread each); both must succeed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(argv, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                         "OMP_NUM_THREADS": "1"}) for r in range(2)]
+    if any(p.wait() for p in procs):
+        raise SystemExit("a rank failed")
+
+
+def end_rank() -> None:
+    """Leave the group and exit: gloo's threads sometimes abort interpreter teardown."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -146,10 +168,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if rank == 0:
         with open(os.path.join(out, "times.json"), "w") as f:
             json.dump({"save_seconds": times, "restore_seconds": restore}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads sometimes abort interpreter teardown
+    end_rank()
 
 
 def main() -> None:
@@ -168,18 +187,9 @@ def main() -> None:
         return
     out = tempfile.mkdtemp(prefix="tpde-dcp-bench-")
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        argv = [sys.executable, __file__, "--rank", "--out", out, "--dim", str(args.dim),
-                "--layers", str(args.layers), "--vocab", str(args.vocab),
-                "--saves", str(args.saves), "--every", str(args.every)]
-        procs = [subprocess.Popen(argv, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
-                                             "MASTER_ADDR": "127.0.0.1",
-                                             "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-                 for r in range(2)]
-        if any(p.wait() for p in procs):
-            raise SystemExit("a rank failed")
+        launch_ranks([sys.executable, __file__, "--rank", "--out", out, "--dim", str(args.dim),
+                      "--layers", str(args.layers), "--vocab", str(args.vocab),
+                      "--saves", str(args.saves), "--every", str(args.every)])
         with open(os.path.join(out, "times.json")) as f:
             measured = json.load(f)
         stored = {"dcp": folder_bytes(os.path.join(out, "dcp")),

@@ -14,21 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
+from dcp_bench import end_rank, launch_ranks
+from mount_memory import _rss_kb
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 INFLIGHT = 32 << 20
-
-
-def _kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    raise RuntimeError(field)
 
 
 def rank_main(out: str) -> None:
@@ -55,9 +48,9 @@ def rank_main(out: str) -> None:
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        base = _kb("VmRSS:")
+        base = _rss_kb("VmRSS:")
         save()
-        peaks[name] = (_kb("VmHWM:") - base) / 1024
+        peaks[name] = (_rss_kb("VmHWM:") - base) / 1024
         dist.barrier()
 
     measure("dcp", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
@@ -71,10 +64,7 @@ def rank_main(out: str) -> None:
             os.path.join(out, "tpde"), step, max_inflight_bytes=INFLIGHT)))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(peaks, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads sometimes abort interpreter teardown
+    end_rank()
 
 
 def main() -> None:
@@ -86,15 +76,7 @@ def main() -> None:
         rank_main(args.rank)
         return
     with tempfile.TemporaryDirectory(prefix="tpde-dcp-memory-") as out:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank", out],
-                                  env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
-                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                       "OMP_NUM_THREADS": "1"}) for r in range(2)]
-        if any(p.wait() for p in procs):
-            raise SystemExit("a rank failed")
+        launch_ranks([sys.executable, __file__, "--rank", out])
         ranks = []
         for r in range(2):
             with open(os.path.join(out, f"rank{r}.json")) as f:

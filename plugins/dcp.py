@@ -65,11 +65,34 @@ class _Stored:
     records: list[Record]
 
 
+class _OnRun:
+    """What Writer and Reader share: the run they were made with, opened when first used."""
+
+    run: str
+    storage_options: dict[str, Any] | None
+    _chain: Chain | None
+
+    @property
+    def chain(self) -> Chain:
+        if self._chain is None:
+            self._chain = Chain(self.run, self.storage_options)
+        return self._chain
+
+    def _refuse_other(self, checkpoint_id: Any, call: str) -> None:
+        """DCP passes its ``checkpoint_id`` to ``reset``; the run is this object's."""
+        if checkpoint_id is not None and str(checkpoint_id) != self.run:
+            raise TPDEError(f"{call} was given checkpoint_id={checkpoint_id!r}; a "
+                            f"tpde.dcp.{type(self).__name__} "
+                            "uses the run it was made with: leave checkpoint_id out",
+                            run=self.run)
+        self._chain = None  # manifests are read afresh for every save and load
+
+
 #: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
 _HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
 
 
-class Writer(StorageWriter):
+class Writer(_OnRun, StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
     ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s.
@@ -101,19 +124,9 @@ class Writer(StorageWriter):
         self._chain: Chain | None = None
         self._started = time.perf_counter()
 
-    @property
-    def chain(self) -> Chain:
-        if self._chain is None:
-            self._chain = Chain(self.run, self.storage_options)
-        return self._chain
-
     # ------------------------------------------------------------------ DCP's protocol
     def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None and str(checkpoint_id) != self.run:
-            raise TPDEError(f"dcp.save was given checkpoint_id={checkpoint_id!r}; a "
-                            "tpde.dcp.Writer saves into the run it was made with: leave "
-                            "checkpoint_id out", run=self.run, step=self.step)
-        self._chain = None  # manifests are read afresh for every save
+        self._refuse_other(checkpoint_id, "dcp.save")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.get("rank")
@@ -306,7 +319,7 @@ def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int
     return [_Piece(k, f"{base}/{lo}", lo, lo, min(n, lo + per), size) for lo in range(0, n, per)]
 
 
-class Reader(StorageReader):
+class Reader(_OnRun, StorageReader):
     """Load step ``step`` (None: the latest) of the run at ``run`` through DCP, into any world
     size and placement: DCP's planner asks for slices of saved chunks, which are rebuilt from
     their records and hash-checked."""
@@ -321,18 +334,9 @@ class Reader(StorageReader):
         self._dtypes: dict[str, str] = {}
         self._at: int | None = None
 
-    @property
-    def chain(self) -> Chain:
-        if self._chain is None:
-            self._chain = Chain(self.run, self.storage_options)
-        return self._chain
-
     def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id is not None and str(checkpoint_id) != self.run:
-            raise TPDEError(f"dcp.load was given checkpoint_id={checkpoint_id!r}; a "
-                            "tpde.dcp.Reader reads the run it was made with: leave "
-                            "checkpoint_id out", run=self.run)
-        self._chain, self._storage = None, {}
+        self._refuse_other(checkpoint_id, "dcp.load")
+        self._storage = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         chain = self.chain
