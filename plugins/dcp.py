@@ -14,6 +14,7 @@ only once every rank's blob is durable, so a rank killed mid-save leaves no half
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import io
@@ -38,7 +39,9 @@ from tpde.chain.base import name as step_name
 from tpde.chain.plan import batches, candidates, plan_keys, record_depth
 from tpde.chain.write import put_sections
 from tpde.errors import FormatError, TPDEError, UnsupportedError
+from tpde.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, Record, format_for, record_hash
+from tpde.store import Store
 from tpde.plugins import dcp_metadata as layout
 
 __all__ = ["Reader", "Writer", "load_full"]
@@ -90,6 +93,27 @@ class _OnRun:
 
 #: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
 _HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+#: By run (however its URL is spelled): the writer lease this process's coordinator holds. A
+#: job's saves are one writer whatever Writer objects carry them, so the lease outlives each
+#: save (renewed by the next) and is given up when the process exits.
+_LEASES: dict[str, Lease] = {}
+
+
+def _run_key(store: Store) -> str:
+    return store.fs.unstrip_protocol(store.root)
+
+
+def hold(lease: Lease) -> None:
+    """Make ``lease`` (a ``Checkpointer``'s, held on its run) the one this process's Writers
+    renew, so that a job saving both ways is one writer."""
+    _LEASES[_run_key(lease.store)] = lease
+
+
+@atexit.register
+def _release_leases() -> None:
+    for lease in _LEASES.values():
+        with contextlib.suppress(Exception):  # a store gone at exit: the lease expires
+            lease.release()
 
 
 class Writer(_OnRun, StorageWriter):
@@ -101,16 +125,22 @@ class Writer(_OnRun, StorageWriter):
     read back from the store as it is coded (``reference="store"``, the default), so a rank
     holds no copy of its shards between saves. ``reference="host"`` keeps a copy of this
     rank's words of each save in the process for the next one, which then reads back only the
-    chunks another rank wrote before: faster saves for a shard's worth of host memory. The
-    Writer takes no lease: one job saves into a run at a time.
+    chunks another rank wrote before: faster saves for a shard's worth of host memory.
+
+    The coordinator holds the run's writer lease (``Checkpointer``'s): a second job saving into
+    the run is refused with ``WriterConflictError`` before anything is written. The lease is
+    renewed by every save of this process and given up when it exits; ``lease_seconds`` and
+    ``takeover`` are ``Checkpointer``'s.
     """
 
     def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
                  level: int | None = None, chunk_bytes: int = frames.DEFAULT_CHUNK,
                  threads: int | None = None, max_inflight_bytes: int = 256 << 20,
-                 reference: str = "store", storage_options: dict[str, Any] | None = None
+                 reference: str = "store", lease_seconds: float = DEFAULT_LEASE_SECONDS,
+                 takeover: bool = False, storage_options: dict[str, Any] | None = None
                  ) -> None:
         super().__init__()
+        self.lease_seconds, self.takeover = lease_seconds, takeover
         check_reference(reference)
         self.reference = reference
         self._keep: dict[str, torch.Tensor] | None = None
@@ -136,10 +166,13 @@ class Writer(_OnRun, StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator: refuse a committed step, and name the reference every rank
-        codes against (the newest visible step before this one)."""
+        """On the coordinator: take the run's writer lease, refuse a committed step, and name
+        the reference every rank codes against (the newest visible step before this one)."""
         self._started = time.perf_counter()
         chain = self.chain
+        lease = _LEASES.setdefault(_run_key(chain.store), Lease(chain.store, self.lease_seconds))
+        lease.seconds = self.lease_seconds
+        lease.acquire(takeover=self.takeover and not lease.held)
         chain._make_room(self.step)
         earlier = [s for s in chain.steps() if s < self.step]
         shared = _Plan(self.step, earlier[-1] if earlier else None)

@@ -1,13 +1,18 @@
-"""``TPDEModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2, tensor
-parallelism) with its sharded checkpoints stored as tpde steps.
+"""Lightning's sharded strategies with their checkpoints stored as tpde steps:
+``TPDEModelParallelStrategy`` (``ModelParallelStrategy``: FSDP2, tensor parallelism) and
+``TPDEFSDPStrategy`` (``FSDPStrategy(state_dict_type="sharded")``).
 
 Lightning's sharded strategies save with ``torch.distributed.checkpoint`` directly and never
-call a ``CheckpointIO``, so a plugin alone cannot see their checkpoints. This subclass replaces
-only where the bytes go: every rank saves through ``tpde.dcp.Writer`` into the chain beside the
-checkpoint files (``<dirpath>/.tpde``), and rank 0 writes the checkpoint's entry, exactly as
-``TPDECheckpointIO`` does for single-process checkpoints. Everything else is Lightning's:
-``ModelCheckpoint`` top-k, ``last``, resume and removal (which the ``TPDECheckpointIO`` carries
-out: the entry goes, the chain re-bases and frees the step).
+call a ``CheckpointIO``, so a plugin alone cannot see their checkpoints. These subclasses
+replace only where the bytes go: every rank saves through ``tpde.dcp.Writer`` into the chain
+beside the checkpoint files (``<dirpath>/.tpde``), and rank 0 writes the checkpoint's entry,
+exactly as ``TPDECheckpointIO`` does for single-process checkpoints. Everything else is
+Lightning's: ``ModelCheckpoint`` top-k, ``last``, resume and removal (which the
+``TPDECheckpointIO`` carries out: the entry goes, the chain re-bases and frees the step).
+
+Both store Lightning's own checkpoint layout (``state_dict``, ``optimizer_states`` and the
+rest), their model and optimizer states sharded, so a consolidated restore (``tpde restore
+last.ckpt --output plain.ckpt``) is a plain Lightning checkpoint, whichever strategy saved it.
 """
 
 from __future__ import annotations
@@ -16,38 +21,30 @@ import time
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from tpde import entry as entries
 from tpde import tree
 from tpde.api import StepInfo
-from tpde.plugins.dcp import Reader, Writer
+from tpde.lease import DEFAULT_LEASE_SECONDS
+from tpde.plugins.dcp import Reader, Writer, hold
 from tpde.plugins.lightning import TPDECheckpointIO, _split
 
 
-class TPDEModelParallelStrategy(ModelParallelStrategy):
-    """``ModelParallelStrategy`` whose checkpoints are sharded tpde steps.
-
-    ``TPDEModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=...,
-    checkpoint_io=TPDECheckpointIO(...))``: the other arguments are
-    ``ModelParallelStrategy``'s; ``checkpoint_io`` (default ``TPDECheckpointIO()``) gives the
-    chain's settings and carries out removals. Checkpoints are always sharded (one blob per
-    rank in the chain): ``save_distributed_checkpoint=False`` is refused.
-    """
+class _TPDESharded:
+    """Saving and loading through tpde.dcp, for a Lightning strategy whose model and optimizer
+    states are sharded (DTensor or ShardedTensor) and read with ``get_model_state_dict`` /
+    ``get_optimizer_state_dict``, which serve FSDP, FSDP2 and tensor parallelism alike."""
 
     def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
                  **kwargs: Any) -> None:
-        if kwargs.get("save_distributed_checkpoint") is False:
-            raise ValueError("TPDEModelParallelStrategy saves sharded checkpoints; for one "
-                             "full checkpoint use ModelParallelStrategy("
-                             "save_distributed_checkpoint=False) with TPDECheckpointIO")
         super().__init__(*args, **kwargs)
         self._checkpoint_io = checkpoint_io or TPDECheckpointIO()
 
     def _tpde(self) -> TPDECheckpointIO:
         io = self.checkpoint_io
         if not isinstance(io, TPDECheckpointIO):
-            raise TypeError(f"TPDEModelParallelStrategy needs a TPDECheckpointIO, not "
+            raise TypeError(f"{type(self).__name__} needs a TPDECheckpointIO, not "
                             f"{type(io).__name__}")
         return io
 
@@ -58,10 +55,13 @@ class TPDEModelParallelStrategy(ModelParallelStrategy):
         options = {**io.storage_options, **(storage_options or {})}
         url = io._chain_url(_split(path)[0])
         started = time.perf_counter()
+        step, lease_seconds = None, DEFAULT_LEASE_SECONDS
         if self.global_rank == 0:
             io.wait()  # a removal still re-basing the chain finishes before this step starts
-        step = self.broadcast(io._checkpointer(url).next_step() if self.global_rank == 0
-                              else None)
+            ckpt = io._checkpointer(url)
+            step, lease_seconds = ckpt.next_step(), ckpt.lease.seconds
+            hold(ckpt.lease)  # the Writer's coordinator renews this job's one lease
+        step = self.broadcast(step)
         meta = {k: checkpoint[k] for k in ("epoch", "global_step")
                 if type(checkpoint.get(k)) is int}
         # Lightning's own layout, its model and optimizer states sharded: a consolidated
@@ -71,6 +71,7 @@ class TPDEModelParallelStrategy(ModelParallelStrategy):
         dcp.save(checkpoint, storage_writer=Writer(
             url, step, keyframe_every=settings["keyframe_every"], level=settings["level"],
             threads=settings["threads"], max_inflight_bytes=settings["max_inflight_bytes"],
+            lease_seconds=lease_seconds,
             storage_options=io.storage_options))
         if self.global_rank == 0:
             ckpt = io._checkpointer(url)
@@ -111,3 +112,39 @@ class TPDEModelParallelStrategy(ModelParallelStrategy):
         return {key: chain.load(step, trusted=weights_only is False, keep_words=False,
                                 within=key)[0]
                 for key in tree.keys(skeleton) if key not in ("state_dict", "optimizer_states")}
+
+
+class TPDEModelParallelStrategy(_TPDESharded, ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose checkpoints are sharded tpde steps.
+
+    ``TPDEModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=...,
+    checkpoint_io=TPDECheckpointIO(...))``: the other arguments are
+    ``ModelParallelStrategy``'s; ``checkpoint_io`` (default ``TPDECheckpointIO()``) gives the
+    chain's settings and carries out removals. Checkpoints are always sharded (one blob per
+    rank in the chain): ``save_distributed_checkpoint=False`` is refused.
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
+                 **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError("TPDEModelParallelStrategy saves sharded checkpoints; for one "
+                             "full checkpoint use ModelParallelStrategy("
+                             "save_distributed_checkpoint=False) with TPDECheckpointIO")
+        super().__init__(*args, checkpoint_io=checkpoint_io, **kwargs)
+
+
+class TPDEFSDPStrategy(_TPDESharded, FSDPStrategy):
+    """``FSDPStrategy(state_dict_type="sharded")`` whose checkpoints are sharded tpde steps.
+
+    The arguments are ``FSDPStrategy``'s, with ``checkpoint_io`` as for
+    ``TPDEModelParallelStrategy``. ``state_dict_type`` is always ``"sharded"``: for full
+    checkpoints, ``FSDPStrategy(state_dict_type="full")`` already saves through a
+    ``TPDECheckpointIO``. Like ``FSDPStrategy``, it needs CUDA devices (torch's FSDP does).
+    """
+
+    def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
+                 **kwargs: Any) -> None:
+        if kwargs.setdefault("state_dict_type", "sharded") != "sharded":
+            raise ValueError("TPDEFSDPStrategy saves sharded checkpoints; for full ones use "
+                             "FSDPStrategy(state_dict_type='full') with TPDECheckpointIO")
+        super().__init__(*args, checkpoint_io=checkpoint_io, **kwargs)

@@ -6,7 +6,8 @@
 
 Modes: ``dtensor-save`` / ``dtensor-load`` (DTensors sharded by rows and by columns, a
 replicated one and plain values; odd steps saved with ``dcp.async_save``) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
-``fully_shard`` with AdamW). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
+``fully_shard`` with AdamW), and ``sharded-tensor-save`` / ``-load`` (ShardedTensors, what
+FSDP's sharded state dicts hold). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
 state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
 
 ``TPDE_FAULT=RANK,STEP,KIND,N`` makes rank RANK's save of step STEP meet a fault at its N-th
@@ -95,6 +96,31 @@ def dtensor_state(step: int, mesh, empty: bool = False) -> dict:
                       "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
                       "rep": distribute_tensor(full["rep"], mesh, [Replicate()])},
             "meta": {"step": -1 if empty else step, "lr": 0.0 if empty else 0.1 * step}}
+
+
+def sharded_tensor_state(step: int, empty: bool = False) -> dict:
+    """The same tensors as ShardedTensors (what FSDP's sharded state dicts hold): rows split
+    by rows, columns by columns, over every rank."""
+    from torch.distributed._shard.sharded_tensor import empty as sharded_empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    places = [f"rank:{r}/cpu" for r in range(dist.get_world_size())]
+    out = {}
+    for key, dim in (("rows", 0), ("cols", 1)):
+        full = full_states(step)[key]
+        t = sharded_empty(ChunkShardingSpec(dim=dim, placements=places), *full.shape,
+                          dtype=full.dtype)
+        for shard in t.local_shards():
+            (r, c), (h, w) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            shard.tensor.copy_(torch.zeros(h, w) if empty else full[r:r + h, c:c + w])
+        out[key] = t
+    return {"model": out, "meta": {"step": -1 if empty else step}}
+
+
+def local_shards(state: dict) -> dict:
+    """Each ShardedTensor's shards on this rank, by their offsets."""
+    return {(k, tuple(s.metadata.shard_offsets)): s.tensor
+            for k, t in state["model"].items() for s in t.local_shards()}
 
 
 def gathered(state: dict) -> dict:
@@ -187,6 +213,14 @@ def main() -> None:
         dcp.load(state, storage_reader=reader(run, None if latest else steps))
         want = torch.load(os.path.join(expected, f"step{steps}.pt"))
         same(gathered(state), want)
+    elif mode == "sharded-tensor-save":
+        for step in range(steps):
+            dcp.save(sharded_tensor_state(step), storage_writer=writer(run, step))
+    elif mode == "sharded-tensor-load":
+        state = sharded_tensor_state(0, empty=True)
+        dcp.load(state, storage_reader=reader(run, steps))
+        same(local_shards(state), local_shards(sharded_tensor_state(steps)))
+        assert state["meta"] == {"step": steps}
     elif mode == "fsdp-save":
         from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -1,8 +1,9 @@
-"""A Lightning run under ``ModelParallelStrategy`` (FSDP2, 2 CPU devices, gloo), its sharded
-checkpoints stored by tpde (``TPDEModelParallelStrategy``) or by DCP's own ``FileSystemWriter``
-(the stock strategy), so that the two can be compared.
+"""A Lightning run under a sharded strategy, its sharded checkpoints stored by tpde or by DCP's
+own ``FileSystemWriter`` (the stock strategy), so that the two can be compared:
+``ModelParallelStrategy`` (FSDP2, 2 CPU devices, gloo; ``tpde`` or ``dcp``) or
+``FSDPStrategy(state_dict_type="sharded")`` (every CUDA device; ``fsdp-tpde`` or ``fsdp``).
 
-    python tests/lightning_sharded.py FOLDER EPOCHS tpde|dcp
+    python tests/lightning_sharded.py FOLDER EPOCHS tpde|dcp|fsdp-tpde|fsdp
 
 The first call trains from scratch; later calls resume from ``last``. At the end rank 0 writes
 the full model state to FOLDER/final.pt and the step it resumed at to FOLDER/resumed.txt.
@@ -16,7 +17,7 @@ import sys
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 import tpde
 
@@ -45,14 +46,27 @@ class Net(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class WrappedNet(Net):
+    """The same network, wrapped whole by ``FSDPStrategy``."""
+
+    def configure_model(self) -> None:
+        pass
+
+
 def main(folder: str, epochs: int, how: str) -> None:
     L.seed_everything(0, verbose=False)
     ckpt = os.path.join(folder, "ckpt")
     resume = "last" if os.path.exists(os.path.join(ckpt, "last.ckpt")) else None
-    strategy = (tpde.TPDEModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-                if how == "tpde" else
-                ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
-    trainer = L.Trainer(max_epochs=epochs, accelerator="cpu", devices=2, strategy=strategy,
+    strategy = {
+        "tpde": lambda: tpde.TPDEModelParallelStrategy(data_parallel_size=2,
+                                                       tensor_parallel_size=1),
+        "dcp": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        "fsdp-tpde": lambda: tpde.TPDEFSDPStrategy(),
+        "fsdp": lambda: FSDPStrategy(state_dict_type="sharded"),
+    }[how]()
+    fsdp = how.startswith("fsdp")
+    trainer = L.Trainer(max_epochs=epochs, accelerator="cuda" if fsdp else "cpu",
+                        devices=torch.cuda.device_count() if fsdp else 2, strategy=strategy,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0,
                         callbacks=[ModelCheckpoint(dirpath=ckpt, save_top_k=2, monitor="step",
@@ -69,12 +83,12 @@ def main(folder: str, epochs: int, how: str) -> None:
             start["step"] = trainer.global_step
 
     trainer.callbacks.append(Probe())
-    module = Net()
+    module = WrappedNet() if fsdp else Net()
     trainer.fit(module, loader, ckpt_path=resume)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    full = get_model_state_dict(trainer.strategy.model,  # FSDP's wrapper, or the module
+                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save(full, os.path.join(folder, "final.pt"))
         with open(os.path.join(folder, "resumed.txt"), "w") as f:

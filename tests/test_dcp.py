@@ -96,6 +96,22 @@ def test_dtensor_steps_are_deltas_restore_exactly_and_reshard(tmp_path) -> None:
     ranks(2, "dtensor-load", one, "latest=1", want)
 
 
+def test_sharded_tensors_as_fsdp_saves_them(tmp_path) -> None:
+    """ShardedTensor, what FSDP's sharded state dicts (``FSDPStrategy(state_dict_type=
+    "sharded")``) hold: saved as deltas, restored on 2 ranks and resharded onto 1."""
+    from dcp_worker import full_states
+
+    run = str(tmp_path / "run")
+    ranks(2, "sharded-tensor-save", run, 3, tmp_path)
+    m = Chain(run).manifest(2)
+    assert len(m.shards) == 2 and {r.codec for r in m.records} <= {"dense", "sparse"}
+    for step in (0, 2):
+        ranks(2, "sharded-tensor-load", run, step, tmp_path)
+    ranks(1, "sharded-tensor-load", run, 1, tmp_path)
+    full = tpde.dcp.load_full(run, 2)
+    assert all(torch.equal(full["model"][k], v) for k, v in full_states(2).items() if k != "rep")
+
+
 def test_fsdp2_model_and_optimizer_restore_exactly(tmp_path) -> None:
     run, want = str(tmp_path / "run"), tmp_path / "expected"
     want.mkdir()
@@ -167,6 +183,42 @@ def test_a_single_process_save_and_bad_loads(tmp_path) -> None:
     tpde.Checkpointer(str(tmp_path / "plain")).save(0, {"w": state["w"]})
     with pytest.raises(tpde.UnsupportedError, match="Checkpointer"):
         tpde.dcp.load_full(str(tmp_path / "plain"), 0)
+
+
+HOLDER = """
+import sys, torch, tpde
+ck = tpde.Checkpointer(sys.argv[1])
+ck.save(0, {"w": torch.ones(4)})
+print("held", flush=True)
+sys.stdin.read()
+ck.close()
+"""
+
+
+def test_the_coordinator_holds_the_writer_lease(tmp_path) -> None:
+    """A second job saving into a run is refused before anything is written; the lease passes
+    on when the first job lets go, and this process's saves are one writer."""
+    import torch.distributed.checkpoint as dcp
+
+    run = str(tmp_path / "run")
+    other = subprocess.Popen([sys.executable, "-c", HOLDER, run], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        with pytest.raises(BaseException, match="another writer holds this run") as refused:
+            dcp.save({"w": torch.zeros(4)}, storage_writer=tpde.dcp.Writer(run, 1))
+        assert "WriterConflictError" in repr(refused.value)
+        assert Chain(run).steps() == [0]
+        assert not list((tmp_path / "run" / "data").glob(f"{'0' * 19}1*"))  # no blob of step 1
+    finally:
+        other.communicate("", timeout=60)
+    assert other.returncode == 0
+    for step in (1, 2):  # two Writers, one job: the second renews the lease the first took
+        dcp.save({"w": torch.full((4,), float(step))},
+                 storage_writer=tpde.dcp.Writer(run + "/", step))
+    with pytest.raises(tpde.WriterConflictError):
+        tpde.Checkpointer(run).save(3, {"w": torch.ones(4)})
+    assert Chain(run).steps() == [0, 1, 2]
 
 
 def test_a_rank_killed_mid_save_leaves_every_committed_step(tmp_path) -> None:

@@ -263,34 +263,51 @@ def test_pytorch_lightning_imports(tmp_path) -> None:
                 module.state_dict())
 
 
-def test_model_parallel_sharded_checkpoints_through_tpde_match_dcp(tmp_path) -> None:
-    """ModelParallelStrategy (FSDP2, 2 CPU devices): the same run with TPDEModelParallelStrategy
-    and with the stock strategy (DCP's FileSystemWriter), each trained, then resumed from
-    ``last``, keeps the same checkpoints (top 2 and last) and ends with bit-identical weights."""
+@pytest.mark.parametrize("kind", ["model-parallel", pytest.param("fsdp", marks=pytest.mark.gpu)])
+def test_sharded_strategies_through_tpde_match_dcp(tmp_path, kind: str) -> None:
+    """ModelParallelStrategy (FSDP2, 2 CPU devices) and FSDPStrategy(state_dict_type="sharded")
+    (every CUDA device): the same run through tpde's strategy and the stock one (DCP's
+    FileSystemWriter), each trained, then resumed from ``last``, keeps the same checkpoints
+    (top 2 and last) and ends with bit-identical weights."""
+    if kind == "fsdp" and not torch.cuda.is_available():
+        pytest.skip("FSDPStrategy needs a CUDA device")
     script = os.path.join(os.path.dirname(__file__), "lightning_sharded.py")
     from campaigns.s3 import free_port
 
-    for how in ("tpde", "dcp"):
+    ours, theirs = ("tpde", "dcp") if kind == "model-parallel" else ("fsdp-tpde", "fsdp")
+    per_epoch = 64 // 8 // (2 if kind == "model-parallel" else torch.cuda.device_count())
+    for how in (ours, theirs):
         for epochs in (2, 3):
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             done = subprocess.run([sys.executable, script, str(tmp_path / how), str(epochs), how],
                                   capture_output=True, text=True, timeout=600, env=env)
             assert done.returncode == 0, done.stderr[-4000:]
-        assert (tmp_path / how / "resumed.txt").read_text() == "8"
-    ours, theirs = tmp_path / "tpde" / "ckpt", tmp_path / "dcp" / "ckpt"
-    assert sorted(os.listdir(theirs)) == sorted(p for p in os.listdir(ours) if p != ".tpde")
-    a, b = (torch.load(tmp_path / how / "final.pt") for how in ("tpde", "dcp"))
+        assert (tmp_path / how / "resumed.txt").read_text() == str(2 * per_epoch)
+    mine, stock = tmp_path / ours / "ckpt", tmp_path / theirs / "ckpt"
+    assert sorted(os.listdir(stock)) == sorted(p for p in os.listdir(mine) if p != ".tpde")
+    a, b = (torch.load(tmp_path / how / "final.pt") for how in (ours, theirs))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    chain = Chain(str(ours / ".tpde"))
+    chain = Chain(str(mine / ".tpde"))
     assert all(chain.manifest(s).dcp is not None for s in chain.steps())
     assert len(chain.steps()) == 3  # what the three entries name: removed steps were freed
     # The last checkpoint, consolidated by the CLI: a plain Lightning checkpoint.
     plain = tmp_path / "plain.ckpt"
-    subprocess.run([sys.executable, "-m", "tpde.cli", "restore", str(ours / "last.ckpt"),
+    subprocess.run([sys.executable, "-m", "tpde.cli", "restore", str(mine / "last.ckpt"),
                     "--output", str(plain)], check=True, capture_output=True)
     ckpt = torch.load(plain, weights_only=False)
-    assert ckpt["global_step"] == 12 and len(ckpt["optimizer_states"]) == 1 and "loops" in ckpt
-    assert all(torch.equal(ckpt["state_dict"][k], a[k]) for k in a)
+    assert ckpt["global_step"] == 3 * per_epoch and len(ckpt["optimizer_states"]) == 1
+    assert "loops" in ckpt and all(torch.equal(ckpt["state_dict"][k], a[k]) for k in a)
+
+
+def test_tpde_sharded_strategies_refuse_full_checkpoints() -> None:
+    """They store sharded checkpoints only; full ones go through the plain strategies with
+    TPDECheckpointIO, which the messages name."""
+    with pytest.raises(ValueError, match="state_dict_type='full'"):
+        tpde.TPDEFSDPStrategy(state_dict_type="full")
+    with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
+        tpde.TPDEModelParallelStrategy(save_distributed_checkpoint=False)
+    strategy = tpde.TPDEFSDPStrategy(checkpoint_io=tpde.TPDECheckpointIO(level=5))
+    assert strategy._state_dict_type == "sharded" and strategy._tpde().options["level"] == 5
 
 
 def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:

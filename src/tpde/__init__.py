@@ -39,6 +39,7 @@ __all__ = [
     "StoreError",
     "TPDECheckpointIO",
     "TPDEError",
+    "TPDEFSDPStrategy",
     "TPDEModelParallelStrategy",
     "UnsafeContentError",
     "UnsupportedError",
@@ -57,8 +58,8 @@ def __getattr__(name: str) -> Any:
         from tpde.plugins.lightning import TPDECheckpointIO
 
         return TPDECheckpointIO
-    if name == "TPDEModelParallelStrategy":
-        from tpde.plugins.lightning_sharded import TPDEModelParallelStrategy
+    if name in ("TPDEModelParallelStrategy", "TPDEFSDPStrategy"):
+        from tpde.plugins import lightning_sharded
 
-        return TPDEModelParallelStrategy
+        return getattr(lightning_sharded, name)
     raise AttributeError(f"module 'tpde' has no attribute {name!r}")
