@@ -92,7 +92,7 @@ def main() -> None:
     row("nvCOMP encode", median_s(
         lambda: nvcomp.compress(on_dev, level=1, chunk=frames.DEFAULT_CHUNK), args.repeats), raw,
         ratio=round(raw / gsec.stored, 3))
-    assert frames.decompress(list(gsec.frames), gsec.raw, gsec.chunk) == \
+    assert frames.decompress(list(gsec.frames), gsec.raw, gsec.chunk).tobytes() == \
         planes.numpy().tobytes(), "nvCOMP frames differ from the input on the CPU"
 
     # The Triton kernels.

@@ -122,6 +122,21 @@ def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tens
     return words
 
 
+def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
+                 threads: int | None = None) -> torch.Tensor:
+    """The words of a shuffled stream, each frame decompressed straight into them on the frame
+    threads (``frames.unshuffle_into``): the restore path's keyframe and dense values."""
+    width = torch.empty(0, dtype=word_dtype).element_size()
+    if stream.raw % width:
+        raise FormatError("byte planes do not hold a whole number of words")
+    if not stream.raw:
+        return torch.empty(0, dtype=word_dtype)
+    words = _empty_words(stream.raw // width, word_dtype, torch.device("cpu"))
+    frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
+                          threads=threads)
+    return words
+
+
 def apply_streamed(ref: torch.Tensor, stream: frames.Framed, how: str, kind: str
                    ) -> torch.Tensor:
     """``apply_residual`` in place with the residual read from its frames a slice at a time:
@@ -158,18 +173,38 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
     """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
 
-    Computed in place on one copy, so a large tensor costs about three of its size, not eight.
+    A ``sub`` residual is computed ``RESIDUAL_SLICE`` words at a time into its result, with
+    one slice-sized temporary: every pass runs in cache, and a large tensor costs its result
+    and nothing else (measured on 25M fp32 words: 36 ms, against 207 ms for whole-tensor
+    passes on two copies).
     """
     if how == "xor":
         return new ^ ref
-    bits = new.element_size() * 8
-    if kind == "float":
-        d = _order_(new.clone())
-        d.sub_(_order_(ref.clone()))
-    else:
-        d = new - ref
-    sign = d >> (bits - 1)
-    return d.bitwise_left_shift_(1).bitwise_xor_(sign)
+    bits, n = new.element_size() * 8, new.numel()
+    out = _empty_words(n, new.dtype, new.device)
+    tmp = torch.empty(min(RESIDUAL_SLICE, n), dtype=new.dtype, device=new.device)
+    mask = (1 << (bits - 1)) - 1
+    for lo in range(0, n, RESIDUAL_SLICE):
+        hi = min(lo + RESIDUAL_SLICE, n)
+        d, t, a, b = out[lo:hi], tmp[: hi - lo], new[lo:hi], ref[lo:hi]
+        if kind == "float":  # the order-preserving images: x ^ ((x >> (bits - 1)) & mask)
+            torch.bitwise_right_shift(a, bits - 1, out=d).bitwise_and_(mask).bitwise_xor_(a)
+            torch.bitwise_right_shift(b, bits - 1, out=t).bitwise_and_(mask).bitwise_xor_(b)
+            d.sub_(t)
+        else:
+            torch.sub(a, b, out=d)
+        torch.bitwise_right_shift(d, bits - 1, out=t)
+        d.bitwise_left_shift_(1).bitwise_xor_(t)
+    return out
+
+
+def _empty_words(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` uninitialised words; on the host from numpy, which asks the kernel for huge pages
+    on large arrays (a fresh buffer faults far fewer pages in than from torch's allocator)."""
+    if device.type != "cpu" or not n:
+        return torch.empty(n, dtype=dtype, device=device)
+    width = torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(n * width, dtype=np.uint8)).view(dtype)
 
 
 def _order_(words: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
@@ -230,8 +265,11 @@ def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
 
         if nvcomp.available():
             return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
-    return frames.compress(_bytes_of(shuffle(words)), level=s.level, chunk=chunk,
-                           threads=s.threads)
+    if not words.numel():
+        return frames.compress(b"", level=s.level, chunk=chunk)
+    # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
+    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(words.numel(), -1)
+    return frames.compress_planes(rows, level=s.level, chunk=chunk, threads=s.threads)
 
 
 def _sample_index(length: int, device: torch.device) -> torch.Tensor | None:
@@ -379,10 +417,11 @@ class CPU:
 
     def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
         r = r.to(ref.device)
-        # In slices: the temporaries of a ``sub`` residual stay a few MB whatever the tensor.
+        # In slices, through one slice-sized temporary: every pass runs in cache.
+        tmp = torch.empty(min(RESIDUAL_SLICE, ref.numel()), dtype=ref.dtype, device=ref.device)
         for lo in range(0, ref.numel(), RESIDUAL_SLICE):
-            apply_residual(ref[lo : lo + RESIDUAL_SLICE], r[lo : lo + RESIDUAL_SLICE], how, kind,
-                           inplace=True)
+            hi = min(lo + RESIDUAL_SLICE, ref.numel())
+            apply_residual(ref[lo:hi], r[lo:hi], how, kind, inplace=True, tmp=tmp[: hi - lo])
         return ref
 
     def positions(self, stream: bytes | bytearray, n: int, decoded: np.ndarray | None,
@@ -477,7 +516,7 @@ def _decode_quant(do: CPU, sections: dict[str, bytes | bytearray], ref: torch.Te
     return do.quant(grid[0], grid[1], grid[2], n, values, pos, ref, fixes, exact)
 
 
-def _words_from(sections: dict[str, bytes | bytearray], name: str,
+def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
                 word_dtype: torch.dtype) -> torch.Tensor:
     if name not in sections:
         raise FormatError(f"record lacks its {name!r} section")
@@ -486,7 +525,8 @@ def _words_from(sections: dict[str, bytes | bytearray], name: str,
     data = sections.pop(name)
     if isinstance(data, frames.Framed):
         return streamed_words(data, word_dtype)
-    if not isinstance(data, bytearray):
-        data = bytearray(data)
-    planes = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return unshuffle(planes, word_dtype)
+    if isinstance(data, frames.Frames):
+        return framed_words(data, word_dtype)
+    if not (isinstance(data, np.ndarray) and data.flags.writeable):
+        data = np.frombuffer(bytearray(data), dtype=np.uint8)
+    return unshuffle(torch.from_numpy(data.view(np.uint8).reshape(-1)), word_dtype)

@@ -46,11 +46,6 @@ def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         return _pools_of[pid]
 
 
-#: Frames decompressed at a time beside the result when memory comes first (``look_ahead``
-#: off): 1 MiB of 256 KiB chunks.
-LEAN_GROUP = 4
-
-
 def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
     def run(*args: Any) -> Any:
@@ -61,16 +56,22 @@ def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _decompress(r: Record, framed: dict[str, list[memoryview]], values_elsewhere: bool = False,
-                group: int | None = None, stream: bool = False) -> dict[str, Any]:
-    """The record's sections decompressed here (without its values where a GPU decodes them).
-    With ``stream`` the values of keyframe and dense records stay frames, decompressed as the
-    decode reaches them (``frames.Framed``)."""
-    return {name: frames.Framed(fr, s.raw, s.chunk)
-            if stream and name == "values" and r.codec in _STREAMED
-            else frames.decompress(fr, s.raw, s.chunk, group=group)
-            for (name, s), fr in zip(r.sections.items(), framed.values())
-            if not (values_elsewhere and name == "values")}
+def _decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dict[str, Any]:
+    """The record's sections made ready for its decode. ``mode``: ``"fused"`` leaves the
+    values of keyframe and dense records as frames that the decode decompresses straight into
+    their words (``frames.Frames``); ``"stream"`` leaves them as frames decompressed as the
+    decode reaches them, through a few reused buffers (``frames.Framed``: memory first);
+    ``"gpu"`` leaves every record's values to nvCOMP; ``"host"`` decompresses everything here.
+    """
+    out: dict[str, Any] = {}
+    for (name, s), fr in zip(r.sections.items(), framed.values()):
+        if name != "values" or mode == "host" or (mode != "gpu" and r.codec not in _STREAMED):
+            out[name] = frames.decompress(fr, s.raw, s.chunk)
+        elif mode == "fused":
+            out[name] = frames.Frames(fr, s.raw, s.chunk)
+        elif mode == "stream":
+            out[name] = frames.Framed(fr, s.raw, s.chunk)
+    return out
 
 
 def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
@@ -315,8 +316,9 @@ class Reader(ChainBase):
                 return exc
             recs = [r for r, _ in todo]
             on_gpu = backend is not None and backend.nvcomp
-            sections = list(spread(_attempt(_decompress), recs, fetched, [on_gpu] * len(recs),
-                                   [group] * len(recs), [stream] * len(recs)))
+            mode = "gpu" if on_gpu else "host" if backend is not None else \
+                "stream" if stream else "fused"
+            sections = list(spread(_attempt(_decompress), recs, fetched, [mode] * len(recs)))
             if on_gpu:
                 backend.add_values(sections, [
                     (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
@@ -326,10 +328,9 @@ class Reader(ChainBase):
             return todo, sections, self._positions(recs, sections)
 
         pool, ahead = _pools()
-        # Without look-ahead memory comes first: a few frames decompressed at a time, and
-        # records rebuilt on this thread (each decode thread's malloc arena would keep what
-        # it freed: measured 15 MB more for a 3 MB module).
-        group = None if look_ahead else LEAN_GROUP
+        # Without look-ahead memory comes first: values streamed frame by frame, and records
+        # rebuilt on this thread (each decode thread's malloc arena would keep what it freed:
+        # measured 15 MB more for a 3 MB module).
         stream = not look_ahead and backend is None
         spread = pool.map if look_ahead else map
         if units:

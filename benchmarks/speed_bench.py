@@ -1,0 +1,127 @@
+"""Save and restore speed against the plain format, side by side in one run: a 200 MB fp32
+state (a 100 MB weight and a 100 MB Adam-moment-like tensor), then the same after small
+updates, in a fresh folder on local disk (files written to the page cache, not forced to disk).
+
+Rows: ``torch.save`` and ``torch.load`` of the state; a tpde keyframe save, a delta save, the
+restore of the delta step (its keyframe and one delta) and of a keyframe; and a step 15 deltas
+deep (``keyframe_every=16``) against a keyframe of the same chain. tpde runs with 1 and 2
+threads. Every figure is the median of ``--repeats`` runs; MB/s is the state's raw size over
+the wall time.
+
+    python benchmarks/speed_bench.py [--repeats 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+import tpde
+from tpde.chain import Chain
+
+N = 25_000_000  # words per tensor: 2 x 100 MB
+
+
+def states(steps: int) -> list[dict[str, torch.Tensor]]:
+    """``steps`` states of a weight and a moment, each a small update of the one before."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, generator=g)
+    m = torch.randn(N, generator=g).abs() * 1e-3
+    out = [{"w": w, "m": m}]
+    for _ in range(steps - 1):
+        w = w + 1e-4 * torch.randn(N, generator=g)
+        m = m * 0.999 + 1e-6 * torch.randn(N, generator=g).abs()
+        out.append({"w": w, "m": m})
+    return out
+
+
+def timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    chain = states(16)
+    raw = sum(t.numel() * t.element_size() for t in chain[0].values()) / 1e6
+    root = tempfile.mkdtemp(prefix="tpde-speed-")
+    runs: dict[str, list[float]] = {}
+
+    def note(name: str, seconds: float) -> None:
+        runs.setdefault(name, []).append(seconds)
+
+    try:
+        for _ in range(args.repeats):
+            path = os.path.join(root, "plain.pt")
+            note("torch.save", timed(lambda: torch.save(chain[0], path)))
+            note("torch.load", timed(lambda: torch.load(path)))
+            os.remove(path)
+            for threads in (1, 2):
+                url = os.path.join(root, f"run{threads}")
+                ck = tpde.Checkpointer(url, threads=threads)
+                note(f"keyframe save, {threads} thr", timed(lambda: ck.save(0, chain[0])))
+                note(f"delta save, {threads} thr", timed(lambda: ck.save(1, chain[1])))
+                ck.close()
+                reader = tpde.Checkpointer(url, threads=threads)
+                note(f"restore latest (1 delta), {threads} thr", timed(lambda: reader.load(1)))
+                note(f"restore keyframe, {threads} thr", timed(lambda: reader.load(0)))
+                shutil.rmtree(url)
+        deep = os.path.join(root, "deep")
+        ck = tpde.Checkpointer(deep, keyframe_every=16)
+        for step, state in enumerate(chain):
+            ck.save(step, state)
+        ck.close()
+        assert Chain(deep).manifest(15).depth == 15
+        for _ in range(args.repeats):
+            reader = tpde.Checkpointer(deep)
+            note("restore step 15 deltas deep", timed(lambda: reader.load(15)))
+            note("restore its keyframe", timed(lambda: reader.load(0)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    rows = {k: {"seconds": round(s, 3), "MBps": round(raw / s)} for k, s in medians.items()}
+    ratios = {
+        "keyframe save / torch.save (2 thr)":
+            medians["torch.save"] / medians["keyframe save, 2 thr"],
+        "delta save / torch.save (2 thr)": medians["torch.save"] / medians["delta save, 2 thr"],
+        "restore latest / torch.load (2 thr)":
+            medians["torch.load"] / medians["restore latest (1 delta), 2 thr"],
+        "15 deep / keyframe (time)":
+            medians["restore step 15 deltas deep"] / medians["restore its keyframe"],
+        "keyframe save, 2 thr / 1 thr":
+            medians["keyframe save, 1 thr"] / medians["keyframe save, 2 thr"],
+        "delta save, 2 thr / 1 thr": medians["delta save, 1 thr"] / medians["delta save, 2 thr"],
+        "restore latest, 2 thr / 1 thr":
+            medians["restore latest (1 delta), 1 thr"] / medians["restore latest (1 delta), 2 thr"],
+    }
+    print(f"tpde from {os.path.dirname(tpde.__file__)}; {raw:.0f} MB state, medians of "
+          f"{args.repeats}\n")
+    print("| what | time | MB/s |\n|---|---|---|")
+    for k, r in rows.items():
+        print(f"| {k} | {r['seconds']:.3f} s | {r['MBps']} |")
+    print("\n| ratio | value |\n|---|---|")
+    for k, v in ratios.items():
+        print(f"| {k} | {v:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                   "torch": torch.__version__},
+                       "raw_MB": raw, "repeats": args.repeats, "rows": rows,
+                       "ratios": {k: round(v, 3) for k, v in ratios.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
