@@ -4,7 +4,8 @@ against zstandard's batch API (``multi_compress_to_buffer`` / ``multi_decompress
 which start their threads on every call, then a copy of every frame into the result, as tpde
 did before). "To words" is what a restore needs: the planes decompressed and put back
 together as words, by the batch API and then ``codec.unshuffle`` (before), or by
-``codec.framed_words`` (``frames.unshuffle_into``), which puts each frame in place as it is decompressed.
+``codec.framed_words`` (``frames.unshuffle_into``), which puts each frame in place as it is
+decompressed.
 
 Streams: the byte planes of a 64 MiB fp32 weight (a keyframe) and of the residual of a small
 dense update of it (a delta), as ``tpde.codec`` makes them. Rates are raw bytes per second,

@@ -284,8 +284,8 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         if fs.isdir(p):
             log.warning("tpde: %s is a folder, not a tpde entry: a sharded strategy wrote it "
                         "with torch.distributed.checkpoint without calling CheckpointIO, so "
-                        "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy or tpde.TPDEFSDPStrategy); "
-                        "removing it as Lightning would", path)
+                        "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy or "
+                        "tpde.TPDEFSDPStrategy); removing it as Lightning would", path)
             fs.rm(p, recursive=True)
             return
         found = entries.read(path, self.storage_options)

@@ -5,10 +5,11 @@
     python dcp_worker.py MODE RUN STEP(S) EXPECTED_DIR    # STEPS: N or A:B for a save
 
 Modes: ``dtensor-save`` / ``dtensor-load`` (DTensors sharded by rows and by columns, a
-replicated one and plain values; odd steps saved with ``dcp.async_save``) and ``fsdp-save`` / ``fsdp-load`` (a small model under FSDP2
-``fully_shard`` with AdamW), and ``sharded-tensor-save`` / ``-load`` (ShardedTensors, what
-FSDP's sharded state dicts hold). A save writes steps ``0..STEPS-1`` and rank 0 writes the full
-state of each to ``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
+replicated one and plain values; odd steps saved with ``dcp.async_save``), ``fsdp-save`` /
+``fsdp-load`` (a small model under FSDP2 ``fully_shard`` with AdamW), and
+``sharded-tensor-save`` / ``-load`` (ShardedTensors, what FSDP's sharded state dicts hold).
+A save writes steps ``0..STEPS-1`` and rank 0 writes the full state of each to
+``EXPECTED_DIR``; a load restores step STEP and compares it with that file.
 
 ``TPDE_FAULT=RANK,STEP,KIND,N`` makes rank RANK's save of step STEP meet a fault at its N-th
 store operation: ``kill`` (SIGKILL, as ``campaigns/crash.py`` does) or ``fail`` (the disk

@@ -163,9 +163,7 @@ def decompress(frames: Sequence[memoryview | bytes], raw: int, chunk: int, *,
     # nothing allocated before the frames have been checked. A frame that declares no size
     # (some GPU encoders omit it) is bounded by its chunk's.
     check_declared(frames, sizes)
-    # numpy asks the kernel for huge pages on large arrays: a fresh 64 MiB buffer is written
-    # 5x faster here than a bytearray, whose 4 KiB pages each fault on first touch.
-    whole = np.empty(raw, dtype=np.uint8)
+    whole = np.empty(raw, dtype=np.uint8)  # not zero-filled first, as a bytearray would be
     view = memoryview(whole)
 
     def work(mine: range) -> None:
@@ -200,8 +198,8 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
 
     Each frame is put in place while it is still in cache, on the frame threads: no copy of
     the planes is held beside the words, and no pass over them is made once they are all
-    decompressed (measured on a 64 MiB stream, 2 threads: 2.1-2.9 GB/s, against 1.0-1.3 GB/s
-    for decompressing it whole and then unshuffling).
+    decompressed (``benchmarks/frames_bench.py``, 64 MiB streams, 2 threads: 1.7-1.8 GB/s,
+    against 0.66-0.69 GB/s for zstandard's batch API and then an unshuffle).
     """
     n, width = rows.shape
     sizes = raw_sizes(stream.raw, stream.chunk)
@@ -255,9 +253,9 @@ def _spread(count: int, threads: int | None, work: Callable[[range], None]) -> N
     taking every n-th frame (a stream's byte planes compress at very different speeds, so
     interleaving balances the threads where halves would not).
 
-    zstd releases the GIL for each frame; the process keeps its frame threads (zstandard's
-    ``multi_*_to_buffer`` start threads on every call: measured slower on 2 threads than on 1
-    for a 64 MiB stream of 256 KiB frames, where these reach 1.5-1.9x).
+    zstd releases the GIL for each frame; the process keeps its frame threads, where
+    zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
+    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x).
     """
     n = max(1, min(threads or default_threads(), count))
     if n == 1:
