@@ -48,6 +48,7 @@ def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
     finally:
         for p in procs:  # one rank failing leaves the others waiting in a collective
             p.kill()
+            p.wait()  # reaped: a killed coordinator's pid no longer looks alive to its lease
     for rank, d in enumerate(done):
         assert d.returncode == 0 or not check, \
             f"rank {rank} of {world} ({args[0]}) failed:\n{d.stderr[-4000:]}"
@@ -235,7 +236,9 @@ def test_a_rank_killed_mid_save_leaves_every_committed_step(tmp_path) -> None:
         ranks(2, "dtensor-load", run, step, want)
     leftovers = chain.at_rest().leftovers
     assert leftovers > 0  # rank 0's blob of step 2, and the part rank 1 wrote
-    tpde.Checkpointer(run).gc(grace_seconds=0)
+    cleaner = tpde.Checkpointer(run)
+    cleaner.gc(grace_seconds=0)
+    cleaner.close()  # gc holds the writer lease until then
     assert Chain(run).at_rest().leftovers == 0 and Chain(run).steps() == [0, 1]
     ranks(2, "dtensor-save", run, "2:3", want)
     ranks(2, "dtensor-load", run, 2, want)
