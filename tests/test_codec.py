@@ -200,3 +200,22 @@ def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, 
                             None if how == "key" else ref.clone(), n, word, kind)
     assert torch.equal(streamed, new)
 
+
+@given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
+       chunk=st.sampled_from([4096, 5000, 65536]), threads=st.sampled_from([1, 2, 3]),
+       seed=st.integers(0, 2**31))
+def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: int,
+                                                     threads: int, seed: int) -> None:
+    """Compressing frames gathered from the words makes the frames of the shuffled stream, and
+    decompressing them into the words rebuilds the words, with chunks that tile the byte
+    planes and chunks that straddle them, on any number of frame threads."""
+    word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
+    rows = words.view(torch.uint8).numpy().reshape(n, width)
+    sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
+    assert sec == frames.compress(codec._bytes_of(codec.shuffle(words)), level=1, chunk=chunk)
+    back = codec.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
+                              threads=threads)
+    assert torch.equal(back, words)
+
