@@ -74,7 +74,6 @@ class _TPDESharded:
             lease_seconds=lease_seconds,
             storage_options=io.storage_options))
         if self.global_rank == 0:
-            ckpt = io._checkpointer(url)
             io._next[url] = step + 1
             info = StepInfo.of(ckpt.chain.manifest(step))
             io._publish(path, options, ckpt, info, meta,
@@ -124,13 +123,12 @@ class TPDEModelParallelStrategy(_TPDESharded, ModelParallelStrategy):
     rank in the chain): ``save_distributed_checkpoint=False`` is refused.
     """
 
-    def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("save_distributed_checkpoint") is False:
             raise ValueError("TPDEModelParallelStrategy saves sharded checkpoints; for one "
                              "full checkpoint use ModelParallelStrategy("
                              "save_distributed_checkpoint=False) with TPDECheckpointIO")
-        super().__init__(*args, checkpoint_io=checkpoint_io, **kwargs)
+        super().__init__(*args, **kwargs)
 
 
 class TPDEFSDPStrategy(_TPDESharded, FSDPStrategy):
@@ -142,9 +140,8 @@ class TPDEFSDPStrategy(_TPDESharded, FSDPStrategy):
     ``TPDECheckpointIO``. Like ``FSDPStrategy``, it needs CUDA devices (torch's FSDP does).
     """
 
-    def __init__(self, *args: Any, checkpoint_io: TPDECheckpointIO | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.setdefault("state_dict_type", "sharded") != "sharded":
             raise ValueError("TPDEFSDPStrategy saves sharded checkpoints; for full ones use "
                              "FSDPStrategy(state_dict_type='full') with TPDECheckpointIO")
-        super().__init__(*args, checkpoint_io=checkpoint_io, **kwargs)
+        super().__init__(*args, **kwargs)

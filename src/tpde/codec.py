@@ -256,10 +256,8 @@ def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
 
         if nvcomp.available():
             return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
-    if not words.numel():
-        return frames.compress(b"", level=s.level, chunk=chunk)
     # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
-    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(words.numel(), -1)
+    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, words.element_size())
     return frames.compress_planes(rows, level=s.level, chunk=chunk, threads=s.threads)
 
 

@@ -76,23 +76,8 @@ def raw_sizes(raw: int, chunk: int) -> list[int]:
 def compress(data: memoryview | bytes, *, level: int | None = DEFAULT_LEVEL,
              chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> Section:
     """Compress ``data`` chunk by chunk on the CPU, on ``threads`` of the frame threads."""
-    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
-        raise ValueError(f"chunk must be in [{MIN_CHUNK}, {MAX_CHUNK}] bytes")
-    view = memoryview(data).cast("B")
-    if len(view) <= chunk:
-        return Section(len(view), chunk,
-                       (_compressor(level, chunk).compress(view),) if len(view) else ())
-    # The chunks are segments of the caller's buffer: no copy of the data before compressing.
-    starts = range(0, len(view), chunk)
-    out: list[bytes] = [b""] * len(starts)
-
-    def work(mine: range) -> None:
-        cctx = _compressor(level, chunk)
-        for j in mine:
-            out[j] = cctx.compress(view[starts[j] : starts[j] + chunk])
-
-    _spread(len(starts), threads, work)
-    return Section(len(view), chunk, tuple(out))
+    rows = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8).reshape(-1, 1)
+    return compress_planes(rows, level=level, chunk=chunk, threads=threads)
 
 
 def compress_planes(rows: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
@@ -113,6 +98,9 @@ def compress_planes(rows: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
         buf = np.empty(min(chunk, raw), dtype=np.uint8)
         for j in mine:
             size, at = min(chunk, raw - starts[j]), 0
+            if width == 1:  # one plane: the frame is a slice of the caller's buffer, no copy
+                out[j] = cctx.compress(rows[starts[j] : starts[j] + size, 0])
+                continue
             while at < size:  # a frame may end one plane and start the next
                 k, i = divmod(starts[j] + at, n)
                 m = min(n - i, size - at)
@@ -156,29 +144,8 @@ def decompress(frames: Sequence[memoryview | bytes], raw: int, chunk: int, *,
     The expected size of every chunk is passed to zstd, so a frame that claims or produces more
     is refused before anything large is allocated.
     """
-    sizes = raw_sizes(raw, chunk)
-    if len(sizes) != len(frames):
-        raise FormatError("chunk count does not match the stream's raw size")
-    # zstd allocates what a frame declares, whatever max_output_size says: sizes first, and
-    # nothing allocated before the frames have been checked. A frame that declares no size
-    # (some GPU encoders omit it) is bounded by its chunk's.
-    check_declared(frames, sizes)
     whole = np.empty(raw, dtype=np.uint8)  # not zero-filled first, as a bytearray would be
-    view = memoryview(whole)
-
-    def work(mine: range) -> None:
-        dctx = _decompressor()
-        for j in mine:
-            n = sizes[j]
-            try:
-                part = dctx.decompress(frames[j], max_output_size=n)
-            except zstandard.ZstdError as exc:
-                raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
-            if len(part) != n:
-                raise FormatError("a zstd frame decoded to the wrong number of bytes")
-            view[j * chunk : j * chunk + n] = part
-
-    _spread(len(frames), threads, work)
+    unshuffle_into(Frames(frames, raw, chunk), whole.reshape(-1, 1), threads=threads)
     return whole
 
 
@@ -205,6 +172,9 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
     sizes = raw_sizes(stream.raw, stream.chunk)
     if len(sizes) != len(stream.frames) or n * width != stream.raw:
         raise FormatError("chunk count does not match the stream's raw size")
+    # zstd allocates what a frame declares, whatever max_output_size says: sizes first, and
+    # nothing allocated before the frames have been checked. A frame that declares no size
+    # (some GPU encoders omit it) is bounded by its chunk's.
     check_declared(stream.frames, sizes)
 
     def work(mine: range) -> None:
