@@ -126,9 +126,9 @@ def test_sampled_choice_agrees_with_the_exact_choice(kind: str, monkeypatch) -> 
     new, ref = _large_pair(kind)
     assert new.numel() * new.element_size() > codec.EXACT_CHOICE_BYTES
     sampled_calls = []
-    sample_index = codec._sample_index
-    monkeypatch.setattr(codec, "_sample_index",
-                        lambda *a: sampled_calls.append(1) or sample_index(*a))
+    sample_starts = codec._sample_starts
+    monkeypatch.setattr(codec, "_sample_starts",
+                        lambda *a: sampled_calls.append(1) or sample_starts(*a))
     sampled = round_trip(new, ref, codec.Settings())
     assert sampled_calls, "the choice was not made on samples"
     monkeypatch.setattr(codec, "EXACT_CHOICE_BYTES", 1 << 62)
@@ -179,6 +179,10 @@ def test_dtype_table_covers_every_dtype_torch_can_allocate() -> None:
     assert not missing
 
 
+def _bytes_of(planes: torch.Tensor) -> memoryview:
+    return memoryview(planes.cpu().numpy()).cast("B")
+
+
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), how=st.sampled_from(["key", "xor", "sub"]),
        kind=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**31))
@@ -193,12 +197,16 @@ def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, 
     ref = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
     new = ref + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(word)
     data = new if how == "key" else codec.residual(new, ref, how, kind)
-    sec = frames.compress(codec._bytes_of(codec.shuffle(data)), level=1, chunk=chunk)
+    sec = frames.compress(_bytes_of(codec.shuffle(data)), level=1, chunk=chunk)
     codec_name = "key" if how == "key" else "dense"
     streamed = codec.decode(codec_name, None if how == "key" else how,
                             {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
                             None if how == "key" else ref.clone(), n, word, kind)
     assert torch.equal(streamed, new)
+
+
+def _bytes_of(planes: torch.Tensor) -> memoryview:
+    return memoryview(planes.cpu().numpy()).cast("B")
 
 
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
@@ -213,9 +221,11 @@ def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: 
     g = torch.Generator().manual_seed(seed)
     words = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
-    sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
-    assert sec == frames.compress(codec._bytes_of(codec.shuffle(words)), level=1, chunk=chunk)
-    back = codec.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
-                              threads=threads)
+    with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
+        mp.setattr(frames, "SPREAD_BYTES", 1)
+        sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
+        back = codec.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
+                                  threads=threads)
+    assert sec == frames.compress(_bytes_of(codec.shuffle(words)), level=1, chunk=chunk)
     assert torch.equal(back, words)
 

@@ -86,9 +86,12 @@ def snapshot(state: Any, *, device: str | torch.device = "cpu") -> Snapshot:
 class Checkpointer:
     """A chain of checkpoints of one run, in any fsspec location.
 
-    The writer keeps the last saved (or loaded) step in host memory, in each tensor's own dtype:
-    one extra copy of the state, which is what the next delta is coded against.  A new
-    ``Checkpointer`` on an existing run starts with a keyframe unless ``load()`` is called first.
+    The writer keeps the last saved step in host memory, in each tensor's own dtype: one extra
+    copy of the state, which is what the next delta is coded against.  A new ``Checkpointer`` on
+    an existing run starts with a keyframe unless ``load()`` is called first. A loaded step is
+    not copied: ``load()`` hands back the restored tensors themselves (a restore makes one copy
+    of the state, not two), and the first save after it reads each tensor's reference back from
+    the chain as ``reference="store"`` does.
 
     ``reference="store"`` keeps no such copy: each tensor's previous version is read back from
     the chain while it is encoded, so saving a state larger than the free memory works, with
@@ -184,10 +187,11 @@ class Checkpointer:
         """
         if step is None:
             step = self.chain.latest()
-        state, words = self.chain.load(step, map_location=map_location, trusted=trusted,
-                                       keep_words=self.keep_reference)
-        # Without keep_words the chain hands back no words: nothing is kept.
-        self._reference = Reference(step, words)
+        state, _ = self.chain.load(step, map_location=map_location, trusted=trusted,
+                                   keep_words=False)
+        # The state's tensors are the restored words themselves, not a copy beside a kept one:
+        # the next save reads its reference back from the chain.
+        self._reference = Reference(step, {}, held=False)
         return state
 
     def steps(self) -> list[int]:

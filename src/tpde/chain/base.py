@@ -40,10 +40,12 @@ def manifest_path(step: int) -> str:
 @dataclass
 class Reference:
     """What the next delta is coded against: the step last saved or loaded, and (when the writer
-    keeps it in memory) the host words of its records."""
+    keeps it in memory: ``held``) the host words of its records. A reference not held is read
+    back from the chain, tensor by tensor, as the next save codes against it."""
 
     step: int
     words: dict[str, torch.Tensor]
+    held: bool = True
 
 
 @dataclass
