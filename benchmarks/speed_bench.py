@@ -5,8 +5,8 @@ updates, in a fresh folder on local disk (files written to the page cache, not f
 Rows: ``torch.save`` and ``torch.load`` of the state; a tpde keyframe save, a delta save, the
 restore of the delta step (its keyframe and one delta) and of a keyframe; and a step 15 deltas
 deep (``keyframe_every=16``) against a keyframe of the same chain. tpde runs with 1 and 2
-threads. Every figure is the median of ``--repeats`` runs; MB/s is the state's raw size over
-the wall time.
+threads, the process held to 1 and 2 cores. Every figure is the median of ``--repeats`` runs;
+MB/s is the state's raw size over the wall time.
 
     python benchmarks/speed_bench.py [--repeats 3] [--json PATH]
 """
@@ -44,6 +44,15 @@ def states(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def pin(cores: list[int]) -> None:
+    """Hold every thread of this process (the thread pools included) to ``cores``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that has just ended
+            pass
+
+
 def timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
@@ -59,6 +68,9 @@ def main() -> None:
     raw = sum(t.numel() * t.element_size() for t in chain[0].values()) / 1e6
     root = tempfile.mkdtemp(prefix="tpde-speed-")
     runs: dict[str, list[float]] = {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("needs 2 cores")
 
     def note(name: str, seconds: float) -> None:
         runs.setdefault(name, []).append(seconds)
@@ -71,13 +83,20 @@ def main() -> None:
             os.remove(path)
             for threads in (1, 2):
                 url = os.path.join(root, f"run{threads}")
-                ck = tpde.Checkpointer(url, threads=threads)
-                note(f"keyframe save, {threads} thr", timed(lambda: ck.save(0, chain[0])))
-                note(f"delta save, {threads} thr", timed(lambda: ck.save(1, chain[1])))
-                ck.close()
-                reader = tpde.Checkpointer(url, threads=threads)
-                note(f"restore latest (1 delta), {threads} thr", timed(lambda: reader.load(1)))
-                note(f"restore keyframe, {threads} thr", timed(lambda: reader.load(0)))
+                # On that many cores, not only threads: torch's own threads and tpde's decode
+                # threads follow the cores they are given.
+                pin(cores[:threads])
+                try:
+                    ck = tpde.Checkpointer(url, threads=threads)
+                    note(f"keyframe save, {threads} thr", timed(lambda: ck.save(0, chain[0])))
+                    note(f"delta save, {threads} thr", timed(lambda: ck.save(1, chain[1])))
+                    ck.close()
+                    reader = tpde.Checkpointer(url, threads=threads)
+                    note(f"restore latest (1 delta), {threads} thr",
+                         timed(lambda: reader.load(1)))
+                    note(f"restore keyframe, {threads} thr", timed(lambda: reader.load(0)))
+                finally:
+                    pin(cores)
                 shutil.rmtree(url)
         deep = os.path.join(root, "deep")
         ck = tpde.Checkpointer(deep, keyframe_every=16)

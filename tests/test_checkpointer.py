@@ -129,6 +129,25 @@ def test_resumed_writer_continues_with_a_delta(store_url) -> None:
     assert fresh.save(2, states[2]).keyframe  # no load(): nothing to code against
 
 
+def test_a_loaded_state_trained_in_place_saves_as_a_delta_of_what_was_loaded(tmp_path) -> None:
+    """load() hands back the restored tensors themselves, pieces included; the next save codes
+    against the loaded step as the chain holds it, not against the changed tensors."""
+    run = str(tmp_path / "r")
+    w = torch.randn(300_000, generator=torch.Generator().manual_seed(0))
+    with tpde.Checkpointer(run, max_inflight_bytes=1 << 20) as first:  # in pieces of 512 KiB
+        first.save(0, {"w": w, "n": 0})
+    resumed = tpde.Checkpointer(run, max_inflight_bytes=1 << 20)
+    state = resumed.load()
+    state["w"][::7] += 1.0  # training changes the restored tensor in place
+    state["n"] = 1
+    expected = copy.deepcopy(state)
+    info = resumed.save(1, state)
+    resumed.close()
+    assert not info.keyframe and info.codecs.get("sparse", 0) > 0
+    assert_same(expected, tpde.Checkpointer(run).load(1))
+    assert_same({"w": w, "n": 0}, tpde.Checkpointer(run).load(0))
+
+
 def test_committed_steps_are_immutable(tmp_path) -> None:
     ck = tpde.Checkpointer(str(tmp_path / "r"))
     ck.save(1, {"w": torch.ones(3)})

@@ -123,15 +123,20 @@ def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tens
 
 
 def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
-                 threads: int | None = None) -> torch.Tensor:
+                 threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The words of a shuffled stream, each frame decompressed straight into them on the frame
-    threads (``frames.unshuffle_into``): the restore path's keyframe and dense values."""
+    threads (``frames.unshuffle_into``): the restore path's keyframe values. ``out`` (host
+    words of the right size) receives them instead of a new tensor."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if stream.raw % width:
         raise FormatError("byte planes do not hold a whole number of words")
     if not stream.raw:
         return torch.empty(0, dtype=word_dtype)
-    words = torch.empty(stream.raw // width, dtype=word_dtype)
+    if out is not None and out.numel() * out.element_size() == stream.raw \
+            and out.dtype == word_dtype:
+        words = out
+    else:
+        words = torch.empty(stream.raw // width, dtype=word_dtype)
     frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
                           threads=threads)
     return words
@@ -420,8 +425,8 @@ class CPU:
     """Where and how ``decode`` does its work: here, with torch on the reference's device."""
 
     def words(self, sections: dict[str, bytes | bytearray], name: str,
-              word_dtype: torch.dtype) -> torch.Tensor:
-        return _words_from(sections, name, word_dtype)
+              word_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        return _words_from(sections, name, word_dtype, out)
 
     def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
         r = r.to(ref.device)
@@ -458,8 +463,8 @@ class CPU:
 def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], ref: torch.Tensor | None,
            n: int, word_dtype: torch.dtype, kind: str,
            positions: np.ndarray | None = None, inplace: bool = False,
-           backend: CPU | None = None, grid: tuple[str, float, str] | None = None
-           ) -> torch.Tensor:
+           backend: CPU | None = None, grid: tuple[str, float, str] | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
@@ -467,12 +472,15 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     overwrites ``ref`` instead of copying it: for callers that own ``ref``. ``backend`` does the
     work elsewhere (the GPU kernels in ``tpde.kernels``); it always works in place. ``grid``
     is a ``quant`` record's (grid, scale, dtype name).
+    ``out`` is where a keyframe record's words may be decoded (host words, ``n`` of them),
+    when its frames allow it; callers check where the words came back.
     """
     do = backend or CPU()
     if codec == "quant":
         return _decode_quant(do, sections, ref, n, word_dtype, grid)
     if codec == "key":
-        words = do.words(sections, "values", word_dtype)
+        words = do.words(sections, "values", word_dtype, out) if backend is None \
+            else do.words(sections, "values", word_dtype)
         if words.numel() != n:
             raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
         return words
@@ -526,7 +534,7 @@ def _decode_quant(do: CPU, sections: dict[str, bytes | bytearray], ref: torch.Te
 
 
 def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
-                word_dtype: torch.dtype) -> torch.Tensor:
+                word_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     if name not in sections:
         raise FormatError(f"record lacks its {name!r} section")
     # Taken out of the record's sections: the planes are freed once unshuffled, not held
@@ -535,7 +543,7 @@ def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
     if isinstance(data, frames.Framed):
         return streamed_words(data, word_dtype)
     if isinstance(data, frames.Frames):
-        return framed_words(data, word_dtype)
+        return framed_words(data, word_dtype, out=out)
     if not (isinstance(data, np.ndarray) and data.flags.writeable):
         data = np.frombuffer(bytearray(data), dtype=np.uint8)
     return unshuffle(torch.from_numpy(data.view(np.uint8).reshape(-1)), word_dtype)

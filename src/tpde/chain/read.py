@@ -7,6 +7,7 @@ import threading
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -74,10 +75,10 @@ def _decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> di
     return out
 
 
-def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None]
-             ) -> torch.Tensor:
+def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None],
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode one record against its reference words (``backend`` None: here; the GPU
-    backend keeps the words on its device)."""
+    backend keeps the words on its device); a keyframe record into ``out`` where it can."""
     r, _, secs, ref, positions, backend = job
     if isinstance(secs, TPDEError):
         raise secs
@@ -86,7 +87,8 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU |
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
     return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
                         positions=positions, inplace=True, backend=backend,
-                        grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None)
+                        grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None,
+                        out=out)
 
 
 def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
@@ -99,15 +101,24 @@ def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Ten
     return words
 
 
-def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None]
+def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None], *,
+                     at: int, final: dict[str, int], into: dict[str, torch.Tensor]
                      ) -> torch.Tensor:
     """``_rebuild`` and ``_check`` on the host, where the decompressed sections can go as soon
-    as their record is rebuilt (a GPU's stay until the device is done with them)."""
+    as their record is rebuilt (a GPU's stay until the device is done with them). A record
+    with a place in ``into`` is decoded there from its keyframe on, or, where its codecs
+    could not work in place, copied there once rebuilt at step ``final[name]``."""
+    r = job[0]
+    dest = into.get(r.name)
     try:
-        return _check(job[0], job[1], _rebuild(job))
+        words = _check(r, job[1], _rebuild(job, dest if job[3] is None else None))
     finally:
         if isinstance(job[2], dict):
             job[2].clear()
+    if dest is not None and final[r.name] == at and words.data_ptr() != dest.data_ptr():
+        dest.copy_(words)
+        return dest
+    return words
 
 
 def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
@@ -235,7 +246,8 @@ class Reader(ChainBase):
                     problems: list[Problem] | None = None, check_every: bool = False,
                     check: bool = True, progress: Progress | None = None,
                     on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES,
-                    look_ahead: bool = True) -> dict[str, torch.Tensor]:
+                    look_ahead: bool = True, into: dict[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
@@ -248,6 +260,9 @@ class Reader(ChainBase):
         that beside the words themselves a rebuild holds two batches, not two steps
         (``look_ahead=False``: one, prepared only when the one before is rebuilt).
 
+        ``into`` gives host words (views of a larger buffer, say) that records are rebuilt in
+        instead of new tensors, by name; the words returned for them are those.
+
         A read that finds data gone because the run's writer re-based the steps it reads
         (``gc``) starts again from the rewritten manifests: the words are the same.
         """
@@ -256,7 +271,7 @@ class Reader(ChainBase):
             found: list[Problem] | None = None if problems is None else []
             try:
                 words = self._materialize(step, names, found, check_every, check, progress, on,
-                                          batch_bytes, look_ahead)
+                                          batch_bytes, look_ahead, into or {})
             except CorruptionError:
                 if self._stale():
                     continue
@@ -271,12 +286,13 @@ class Reader(ChainBase):
 
     def _materialize(self, step: int, names: set[str] | None, problems: list[Problem] | None,
                      check_every: bool, check: bool, progress: Progress | None,
-                     on: torch.device | None, batch_bytes: int, look_ahead: bool
-                     ) -> dict[str, torch.Tensor]:
+                     on: torch.device | None, batch_bytes: int, look_ahead: bool,
+                     into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``materialize``, once."""
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in names]
         plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
+        final: dict[str, int] = {}  # the step whose record gives each name its final words
         failed: set[str] = set()
 
         def fail(exc: TPDEError, at: int, name: str) -> None:
@@ -294,6 +310,7 @@ class Reader(ChainBase):
                 continue
             for i, (at, r) in enumerate(lineage):
                 plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
+            final[rec.name] = lineage[-1][0]
         current: dict[str, torch.Tensor] = {}
         # (step, batch) in step order; each is prepared while the one before is rebuilt.
         units = [(at, batch) for at in sorted(plan)
@@ -347,7 +364,8 @@ class Reader(ChainBase):
                 jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
                 if backend is None:
-                    rebuilt = spread(_attempt(_rebuild_checked), jobs)
+                    rebuilt = spread(_attempt(partial(_rebuild_checked, at=at, final=final,
+                                                      into=into)), jobs)
                 else:
                     # Kernels are launched from this thread, one record after another (the
                     # device runs them in order either way); the hashes are computed in the pool.
@@ -441,7 +459,23 @@ class Reader(ChainBase):
         groups = m.spans()
         wanted = [r for i in sorted(used) if i < len(groups) for r in groups[i]]
         warn_lossy(self.url, step, wanted)
-        words = self.materialize(step, [r.name for r in wanted], progress=progress)
+        # A span in pieces that stays on the host is rebuilt in place: each piece is decoded
+        # into its part of the span's buffer, not into a tensor of its own and then copied.
+        whole: dict[int, torch.Tensor] = {}
+        into: dict[str, torch.Tensor] = {}
+        for i in sorted(used):
+            recs = groups[i] if i < len(groups) else []
+            if keep_words or len(recs) < 2 \
+                    or tree.resolve_device(recs[0].device, map_location).type != "cpu":
+                continue
+            dt = dtypes.by_name(recs[0].dtype)
+            whole[i] = torch.empty(sum(r.numel for r in recs) * dt.words_per_element,
+                                   dtype=dt.word_dtype)
+            at = 0
+            for r in recs:
+                into[r.name] = whole[i][at : at + r.numel * dt.words_per_element]
+                at += r.numel * dt.words_per_element
+        words = self.materialize(step, [r.name for r in wanted], progress=progress, into=into)
         spans = []
         for i, recs in enumerate(groups):
             if i not in used:
@@ -449,11 +483,16 @@ class Reader(ChainBase):
                 continue
             dt = dtypes.by_name(recs[0].dtype)
             names = [r.name for r in recs]
-            device = tree.resolve_device(recs[0].device, map_location)
-            if not keep_words and words[names[0]].device == device:
-                device = None
-            # Moved as words, then viewed: some dtypes (int1..int7) have no copy kernel.
-            data = span_words(names, words, device, consume=not keep_words)
+            if i in whole:
+                data = whole[i]
+                for n in names:
+                    del words[n]  # views of the span: nothing else to free
+            else:
+                device = tree.resolve_device(recs[0].device, map_location)
+                if not keep_words and words[names[0]].device == device:
+                    device = None
+                # Moved as words, then viewed: some dtypes (int1..int7) have no copy kernel.
+                data = span_words(names, words, device, consume=not keep_words)
             spans.append(data.view(torch.uint8).view(dt.torch_dtype))
         try:
             state = tree.unflatten(skeleton, spans, trusted=trusted)
