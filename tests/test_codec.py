@@ -185,12 +185,14 @@ def _bytes_of(planes: torch.Tensor) -> memoryview:
 
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), how=st.sampled_from(["key", "xor", "sub"]),
-       kind=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**31))
+       kind=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**31),
+       threads=st.sampled_from([1, 2, 3]))
 def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, how: str,
-                                                kind: str, seed: int) -> None:
-    """A section read frame by frame as the decode reaches it (a mount at budget 0) rebuilds
-    the same words as the whole decompressed section, with chunks that tile the byte planes
-    and chunks that straddle them, one slice of words or many."""
+                                                kind: str, seed: int, threads: int) -> None:
+    """A section read frame by frame as the decode reaches it (a mount at budget 0), or held
+    whole and applied in runs of slices on the frame threads (a restore), rebuilds the same
+    words as the whole decompressed section, with chunks that tile the byte planes and chunks
+    that straddle them, one slice of words or many."""
     word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
     g = torch.Generator().manual_seed(seed)
     # Words of any sign: a float's order-preserving image flips the negative ones.
@@ -203,10 +205,13 @@ def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, 
                             {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
                             None if how == "key" else ref.clone(), n, word, kind)
     assert torch.equal(streamed, new)
-
-
-def _bytes_of(planes: torch.Tensor) -> memoryview:
-    return memoryview(planes.cpu().numpy()).cast("B")
+    if how != "key":
+        with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
+            mp.setattr(frames, "SPREAD_BYTES", 1)
+            applied = codec.apply_streamed(ref.clone(), frames.Frames(list(sec.frames), sec.raw,
+                                                                      sec.chunk), how, kind,
+                                           threads=threads)
+        assert torch.equal(applied, new)
 
 
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
