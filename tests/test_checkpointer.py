@@ -50,6 +50,24 @@ def test_every_kind_of_value_round_trips(store_url) -> None:
     assert isinstance(out["param"], torch.nn.Parameter)
 
 
+def test_the_manifest_a_writer_keeps_is_the_one_its_bytes_parse_to(tmp_path) -> None:
+    """A writer keeps each manifest as it built it instead of parsing back what it wrote: the
+    two must not differ in anything, for every kind of value and record."""
+    run = str(tmp_path / "r")
+    ck = tpde.Checkpointer(run, max_inflight_bytes=1 << 20, error_bound={"q": tpde.Rel(1e-3)})
+    q = torch.randn(300_000, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        q = q + 1e-4
+        ck.save(step, {**odd_state(), "q": q, "step": step})
+    ck.remove(1)
+    for step in ck.chain.committed():
+        kept = ck.chain.manifest(step)
+        data = ck.chain.store.read(tpde.chain.base.manifest_path(step))
+        assert tpde.manifest.parse(data, step=step) == kept
+        assert kept.__dict__["_size"] == len(data)
+    ck.close()
+
+
 def test_keys_that_print_alike_stay_distinct(tmp_path) -> None:
     state = {1: torch.ones(2), "1": torch.zeros(2), "a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}
     ck = tpde.Checkpointer(str(tmp_path / "r"))

@@ -220,7 +220,8 @@ class Manifest:
                 del body[key]
         body["records"] = [_record_body(r) for r in self.records]
         canon = _canonical(body)
-        text = _canonical({"body": body, "blake2b": content_hash(canon)})
+        # What _canonical({"body": body, "blake2b": digest}) writes, without a second pass.
+        text = b'{"body":' + canon + b',"blake2b":"' + content_hash(canon).encode() + b'"}'
         if self.format < FRAMED_FORMAT:
             return text
         return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
