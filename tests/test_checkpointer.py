@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import os
 from collections import OrderedDict
 
@@ -65,6 +66,12 @@ def test_the_manifest_a_writer_keeps_is_the_one_its_bytes_parse_to(tmp_path) -> 
         data = ck.chain.store.read(tpde.chain.base.manifest_path(step))
         assert tpde.manifest.parse(data, step=step) == kept
         assert kept.__dict__["_size"] == len(data)
+        # Laid out otherwise, the same content still checks against its digest.
+        outer = json.loads(tpde.manifest.plain(data))
+        assert tpde.manifest.parse(json.dumps(outer, indent=1).encode(), step=step) == kept
+        outer["body"]["depth"] += 1
+        with pytest.raises(tpde.FormatError, match="digest"):
+            tpde.manifest.parse(json.dumps(outer).encode(), step=step)
     ck.close()
 
 

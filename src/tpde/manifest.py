@@ -221,11 +221,22 @@ class Manifest:
         body["records"] = [_record_body(r) for r in self.records]
         canon = _canonical(body)
         # What _canonical({"body": body, "blake2b": digest}) writes, without a second pass.
-        text = b'{"body":' + canon + b',"blake2b":"' + content_hash(canon).encode() + b'"}'
+        text = _BODY + canon + _DIGEST + content_hash(canon).encode() + b'"}'
         if self.format < FRAMED_FORMAT:
             return text
         return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
 
+
+_BODY, _DIGEST = b'{"body":', b',"blake2b":"'  # a written manifest: _BODY body _DIGEST hex "}
+
+
+def _written_body(text: bytes) -> bytes | None:
+    """The body's bytes as ``to_bytes`` wrote them (None: not laid out that way)."""
+    end = len(text) - 2 * DIGEST_SIZE - 2
+    if text.startswith(_BODY) and text.endswith(b'"}') \
+            and text[end - len(_DIGEST) : end] == _DIGEST:
+        return text[len(_BODY) : end - len(_DIGEST)]
+    return None
 
 _MANIFEST_FIELDS = fields(Manifest)
 _RECORD_FIELDS = fields(Record)
@@ -289,11 +300,16 @@ def parse(data: bytes, *, step: int | None = None) -> Manifest:
     try:
         outer = json.loads(data)
         body, digest = outer["body"], outer["blake2b"]
-        # A damaged number may parse as infinity, which the canonical form refuses.
-        canon = _canonical(body)
+        # Hashed as written (``to_bytes`` writes the canonical form) rather than written out
+        # again; the canonical form is made only where that fails (a damaged number may parse
+        # as infinity, which the canonical form refuses).
+        written = _written_body(data)
+        matched = written is not None and content_hash(written) == digest
+        if not matched:
+            matched = content_hash(_canonical(body)) == digest
     except (ValueError, KeyError, TypeError, RecursionError):
         raise FormatError("manifest is not valid tpde JSON (truncated or damaged)", step=step) from None
-    if content_hash(canon) != digest:
+    if not matched:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
         m = _build(body, step)
