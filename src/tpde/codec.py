@@ -38,6 +38,9 @@ RESIDUALS = ("xor", "sub")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
 SAMPLE_WINDOWS, SAMPLE_WORDS = 16, 8192
+#: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
+#: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
+STREAM_APPLY_BYTES = 1 << 20
 #: Words a dense residual is applied to at a time on the CPU.
 RESIDUAL_SLICE = 1 << 20
 
@@ -488,8 +491,10 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
         raise FormatError(f"{codec} record has no usable reference")
     if codec == "same":
         return ref
-    if codec == "dense" and isinstance(sections.get("values"), (frames.Framed, frames.Frames)) \
-            and not ref.is_cuda:
+    values = sections.get("values")
+    if codec == "dense" and not ref.is_cuda and (
+            isinstance(values, frames.Framed)
+            or isinstance(values, frames.Frames) and values.raw >= STREAM_APPLY_BYTES):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
                               kind, threads=None)
     r = do.words(sections, "values", word_dtype)
