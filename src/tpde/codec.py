@@ -128,8 +128,8 @@ def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tens
 def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
                  threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The words of a shuffled stream, each frame decompressed straight into them on the frame
-    threads (``frames.unshuffle_into``): the restore path's keyframe values. ``out`` (host
-    words of the right size) receives them instead of a new tensor."""
+    threads (``frames.unshuffle_into``): the restore path's keyframe values and small dense
+    residuals. ``out`` (host words of the right size) receives them instead of a new tensor."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if stream.raw % width:
         raise FormatError("byte planes do not hold a whole number of words")
@@ -146,7 +146,7 @@ def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
 
 
 def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how: str,
-                   kind: str, threads: int | None = 1) -> torch.Tensor:
+                   kind: str, threads: int | None = None) -> torch.Tensor:
     """``apply_residual`` in place with the residual read from its frames a slice at a time:
     beside ``ref`` a decode holds one slice and the few frames under it, per thread.
 
@@ -428,8 +428,8 @@ class CPU:
     """Where and how ``decode`` does its work: here, with torch on the reference's device."""
 
     def words(self, sections: dict[str, bytes | bytearray], name: str,
-              word_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        return _words_from(sections, name, word_dtype, out)
+              word_dtype: torch.dtype, dest: torch.Tensor | None = None) -> torch.Tensor:
+        return _words_from(sections, name, word_dtype, dest)
 
     def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
         r = r.to(ref.device)
@@ -467,7 +467,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
            n: int, word_dtype: torch.dtype, kind: str,
            positions: np.ndarray | None = None, inplace: bool = False,
            backend: CPU | None = None, grid: tuple[str, float, str] | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           dest: torch.Tensor | None = None) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
@@ -475,14 +475,14 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     overwrites ``ref`` instead of copying it: for callers that own ``ref``. ``backend`` does the
     work elsewhere (the GPU kernels in ``tpde.kernels``); it always works in place. ``grid``
     is a ``quant`` record's (grid, scale, dtype name).
-    ``out`` is where a keyframe record's words may be decoded (host words, ``n`` of them),
+    ``dest`` is where a keyframe record's words may be decoded (host words, ``n`` of them),
     when its frames allow it; callers check where the words came back.
     """
     do = backend or CPU()
     if codec == "quant":
         return _decode_quant(do, sections, ref, n, word_dtype, grid)
     if codec == "key":
-        words = do.words(sections, "values", word_dtype, out) if backend is None \
+        words = do.words(sections, "values", word_dtype, dest) if backend is None \
             else do.words(sections, "values", word_dtype)
         if words.numel() != n:
             raise FormatError(f"keyframe holds {words.numel()} words where {n} are expected")
@@ -496,7 +496,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
             isinstance(values, frames.Framed)
             or isinstance(values, frames.Frames) and values.raw >= STREAM_APPLY_BYTES):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
-                              kind, threads=None)
+                              kind)
     r = do.words(sections, "values", word_dtype)
     out = ref if inplace or backend is not None else ref.clone()
     if codec == "dense":
@@ -539,7 +539,7 @@ def _decode_quant(do: CPU, sections: dict[str, bytes | bytearray], ref: torch.Te
 
 
 def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
-                word_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+                word_dtype: torch.dtype, dest: torch.Tensor | None = None) -> torch.Tensor:
     if name not in sections:
         raise FormatError(f"record lacks its {name!r} section")
     # Taken out of the record's sections: the planes are freed once unshuffled, not held
@@ -548,7 +548,7 @@ def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
     if isinstance(data, frames.Framed):
         return streamed_words(data, word_dtype)
     if isinstance(data, frames.Frames):
-        return framed_words(data, word_dtype, out=out)
+        return framed_words(data, word_dtype, out=dest)
     if not (isinstance(data, np.ndarray) and data.flags.writeable):
         data = np.frombuffer(bytearray(data), dtype=np.uint8)
     return unshuffle(torch.from_numpy(data.view(np.uint8).reshape(-1)), word_dtype)

@@ -76,9 +76,9 @@ def _decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> di
 
 
 def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None],
-             out: torch.Tensor | None = None) -> torch.Tensor:
+             dest: torch.Tensor | None = None) -> torch.Tensor:
     """Decode one record against its reference words (``backend`` None: here; the GPU
-    backend keeps the words on its device); a keyframe record into ``out`` where it can."""
+    backend keeps the words on its device); a keyframe record into ``dest`` where it can."""
     r, _, secs, ref, positions, backend = job
     if isinstance(secs, TPDEError):
         raise secs
@@ -88,7 +88,7 @@ def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU |
     return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
                         positions=positions, inplace=True, backend=backend,
                         grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None,
-                        out=out)
+                        dest=dest)
 
 
 def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
