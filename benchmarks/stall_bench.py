@@ -19,18 +19,21 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 import tpde
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from lightning_train import StallMeter  # noqa: E402
 
 TENSOR = 4 << 20  # fp32 elements per weight tensor (16 MiB)
 
@@ -59,31 +62,9 @@ class Wide(L.LightningModule):
         return torch.utils.data.DataLoader(torch.zeros(10_000, 1), batch_size=1)
 
 
-class StallMeter(CheckpointIO):
-    def __init__(self, inner: CheckpointIO) -> None:
-        self.checkpoint_io = inner
-        self.stalls_ms: list[float] = []
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
-                        storage_options: Any | None = None) -> None:
-        started = time.perf_counter()
-        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-        self.stalls_ms.append((time.perf_counter() - started) * 1e3)
-
-    def load_checkpoint(self, path: Any, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
-        return self.checkpoint_io.load_checkpoint(path, map_location=map_location)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.checkpoint_io.remove_checkpoint(path)
-
-    def teardown(self) -> None:
-        self.checkpoint_io.teardown()
-
-
 def run(make: Any, numel: int, steps: int, every: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="tpde-stall-") as root:
-        meter = StallMeter(make())
+        meter = StallMeter(make(), count_bytes=False)  # sizing 1 GB in memory would add to fit
         trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                             enable_progress_bar=False, enable_model_summary=False,
                             plugins=[meter], callbacks=[ModelCheckpoint(

@@ -74,10 +74,12 @@ def loaders(windows: int = 512, batch: int = 32) -> tuple[Any, Any]:
 
 
 class StallMeter(CheckpointIO):
-    """Wraps any CheckpointIO; times how long each save blocks the training loop."""
+    """Wraps any CheckpointIO; times how long each save blocks the training loop, and (with
+    ``count_bytes``, after each save) sizes what ``torch.save`` would write for it."""
 
-    def __init__(self, inner: CheckpointIO) -> None:
+    def __init__(self, inner: CheckpointIO, *, count_bytes: bool = True) -> None:
         self.checkpoint_io = inner
+        self.count_bytes = count_bytes
         self.stalls_ms: list[float] = []
         self.torch_bytes = 0  # what torch.save would write for the same checkpoints
 
@@ -86,9 +88,10 @@ class StallMeter(CheckpointIO):
         started = time.perf_counter()
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         self.stalls_ms.append((time.perf_counter() - started) * 1e3)
-        buf = io.BytesIO()
-        torch.save(checkpoint, buf)
-        self.torch_bytes += buf.tell()
+        if self.count_bytes:
+            buf = io.BytesIO()
+            torch.save(checkpoint, buf)
+            self.torch_bytes += buf.tell()
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -17,7 +17,7 @@ from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, format_for, record_hash
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
-from .plan import Candidate, Piece, candidates, pieces, plan_keys
+from .plan import Candidate, Piece, batches, candidates, pieces, plan_keys
 from .read import Reader
 
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
@@ -31,20 +31,6 @@ PIECE_BYTES = 64 << 20
 #: per small tensor cost more in hand-offs between threads than in coding (a save of 115
 #: tensors of 5.6 MB spent half its time waiting on them).
 BATCH_BYTES = 1 << 20
-
-
-def _batches(todo: list[Piece]) -> Iterator[list[Piece]]:
-    """Consecutive pieces in groups of up to ``BATCH_BYTES`` (a larger piece alone)."""
-    batch: list[Piece] = []
-    size = 0
-    for piece in todo:
-        if batch and size + piece.nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(piece)
-        size += piece.nbytes
-    if batch:
-        yield batch
 
 
 def put_sections(writer: BlobWriter, sections: dict[str, frames.Section]
@@ -180,7 +166,7 @@ class Writer(Reader):
                         commit(piece, done)
                     inflight -= size
 
-                for batch in _batches(todo):
+                for batch in batches(todo, [p.nbytes for p in todo], BATCH_BYTES):
                     size = sum(p.nbytes for p in batch)
                     while pending and (len(pending) >= 2 * workers
                                        or inflight + size > max_inflight_bytes):
