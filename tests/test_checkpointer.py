@@ -8,6 +8,7 @@ import json
 import os
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -337,6 +338,25 @@ def test_read_ranges_gives_every_range_and_merges_neighbours(spans) -> None:
     apart = sum(b_start > a_end + store.COALESCE_GAP for (_, a_end), (b_start, _)
                 in zip(ordered, ordered[1:]))
     assert asked[0] <= 1 + apart + sum(b - a for a, b in ranges) // store.COALESCE_SPAN
+
+
+def test_large_local_reads_are_mapped_and_stay_exact(tmp_path) -> None:
+    """Local reads of ``MAP_BYTES`` and more are views of the mapped file: the same bytes as a
+    copy, still readable once the file is deleted (a gc while a restore reads), and a range
+    past a truncated file's end is an error, not short data."""
+    s = store.Store(str(tmp_path / "run"))
+    data = np.random.default_rng(0).integers(0, 256, 3 * store.MAP_BYTES, dtype=np.uint8).tobytes()
+    s.put_atomic("blob", data)
+    whole = s.read("blob", len(data))
+    ranges = [(0, 10), (store.MAP_BYTES, 2 * store.MAP_BYTES + 7), (len(data) - 5, len(data))]
+    parts = s.read_ranges("blob", ranges)
+    assert isinstance(whole, memoryview) and all(isinstance(p, memoryview) for p in parts)
+    s.delete("blob")
+    assert bytes(whole) == data and [bytes(p) for p in parts] == [data[a:b] for a, b in ranges]
+    s.put_atomic("short", data[: store.MAP_BYTES])
+    with pytest.raises(tpde.StoreError, match="shorter than its manifest says"):
+        s.read_ranges("short", [(0, store.MAP_BYTES + 1)])
+    assert bytes(s.read_ranges("short", [(1, 3)])[0]) == data[1:3]  # small: copied
 
 
 def test_unstorable_value_is_refused_before_anything_is_written(tmp_path) -> None:

@@ -7,6 +7,7 @@ rename on local disk after fsync, a single PUT on object stores, which are atomi
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import random
 import threading
@@ -83,6 +84,10 @@ class Entry:
 #: Ranges of one object closer than this are read as one request (the bytes between are read
 #: and dropped), up to this many bytes per request.
 COALESCE_GAP, COALESCE_SPAN = 64 << 10, 64 << 20
+#: Local reads of at least this many bytes map the file instead of copying it: reading a
+#: 164 MB blob into new memory took 90 ms (most of it faulting in fresh pages), mapping it and
+#: touching every page 6 ms. Smaller reads cost less as copies than as mappings.
+MAP_BYTES = 1 << 20
 
 
 class Store:
@@ -102,6 +107,8 @@ class Store:
         self.root = self.root.rstrip("/")
         self.local = isinstance(self.fs, LocalFileSystem)
         self.answered = self.local  # whether the store has answered once since it was opened
+        # Mapped reads where a mapped file can still be deleted (gc) and replaced (POSIX).
+        self.maps = self.local and os.name == "posix"
 
     def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
@@ -186,7 +193,12 @@ class Store:
             pass
 
     # ------------------------------------------------------------------ reads
-    def read(self, rel: str, size_hint: int = 0) -> bytes:
+    def read(self, rel: str, size_hint: int = 0) -> bytes | memoryview:
+        """The whole object; a read-only view of the mapped file where the store is a local
+        POSIX disk and ``size_hint`` reaches ``MAP_BYTES`` (blobs are never changed once
+        written, only deleted, which leaves a mapping whole)."""
+        if self.maps and size_hint >= MAP_BYTES:
+            return self._retry(f"read {rel} in", lambda: _mapped(self._abs(rel)))
         return self._retry(f"read {rel} in", lambda: self.fs.cat_file(self._abs(rel)), size_hint)
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes | memoryview]:
@@ -198,6 +210,13 @@ class Store:
         """
         if not ranges:
             return []
+        if self.maps and sum(b - a for a, b in ranges) >= MAP_BYTES:
+            whole = self.read(rel, MAP_BYTES)
+            for a, b in ranges:
+                if b > len(whole):
+                    raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
+                                     f"(range {a}-{b} of {len(whole)} bytes)")
+            return [whole[a:b] for a, b in ranges]
         spans: list[list[int]] = []  # [start, end, first index into `order`]
         order = sorted(range(len(ranges)), key=lambda i: ranges[i])
         for k, i in enumerate(order):
@@ -240,6 +259,13 @@ class Store:
                 continue
             yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item))
 
+
+
+def _mapped(path: str) -> memoryview:
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return memoryview(b"")  # an empty file cannot be mapped
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 def _mtime(item: dict[str, Any]) -> float | None:
