@@ -231,7 +231,7 @@ class _BitReader:
         return np.where(w > 0, self.window(offset) >> (_U64(64) - np.maximum(w, _U64(1))), _U64(0))
 
 
-_LEADING_ZEROS_16 = (16 - bit_length(np.arange(1 << 16, dtype=_U64))).astype(np.int64)
+_LEADING_ZEROS_16 = (16 - bit_length(np.arange(1 << 16, dtype=_U64))).astype(_U64)
 
 
 def _parse(stream: bytes | memoryview, limit: int | None) -> tuple[int, int, int, np.ndarray, memoryview]:
@@ -292,34 +292,37 @@ def decode_many(streams: list[bytes | memoryview], limits: list[int | None]) -> 
     offsets, ends = np.concatenate(offsets), np.concatenate(ends)
     bases, sizes = np.concatenate(bases), np.concatenate(sizes)
     owner = np.concatenate(owner)
-    lanes = np.arange(offsets.size)
-    width = int(sizes.max())
-    gaps = np.zeros((lanes.size, width), dtype=_U64)
+    # Lanes longest first (stable: a stream's blocks keep their order, its short last block
+    # comes after its full ones), so that the lanes still running at code i are a prefix:
+    # every step below works on slices, with no gather or scatter by lane.
+    order = np.argsort(-sizes, kind="stable")
+    offsets, ends, bases, sizes, owner = (a[order] for a in (offsets, ends, bases, sizes, owner))
+    width = int(sizes[0])
+    running = sizes.size - np.searchsorted(sizes[::-1], np.arange(width), side="right")
+    gaps = np.zeros((sizes.size, width), dtype=_U64)
     pos = offsets.copy()
-    order = np.argsort(-sizes, kind="stable")  # lanes still running form a prefix of `order`
-    ascending = np.sort(sizes)
     for i in range(width):
-        active = order[: lanes.size - np.searchsorted(ascending, i, side="right")]
-        at_bits = pos[active]
-        if (at_bits >= ends[active]).any():
+        at_bits = pos[: running[i]]  # a view: advanced in place at the end of the step
+        if (at_bits >= ends[: running[i]]).any():
             raise FormatError("position stream ends inside a code")
         # One 64-bit window holds the whole code unless it is longer than 57 bits (rare).
+        # All in uint64, without a conversion or a select: ``n + 1`` is read as ``ell + 1``
+        # bits (it has a leading one), and a code's ``n`` low bits are shifted out in two
+        # steps, so that n = 0 shifts everything out instead of shifting by 64.
         w = reader.window(at_bits)
-        ell = _LEADING_ZEROS_16[(w >> _U64(48)).astype(np.int64)]
+        ell = _LEADING_ZEROS_16[w >> _U64(48)]
         if (ell > 6).any():
             raise FormatError("position stream has an invalid Elias-delta prefix")
-        uell = ell.astype(_U64)
-        n = ((w << uell) >> (_U64(63) - uell)).astype(np.int64) - 1
+        n = ((w << ell) >> (_U64(63) - ell)) - _U64(1)
         if (n > 56).any():
             raise FormatError("position stream codes a gap beyond 2**57")
-        un, head = n.astype(_U64), 2 * ell + 1
-        low = np.where(n > 0, (w << head.astype(_U64)) >> (_U64(64) - np.maximum(un, _U64(1))),
-                       _U64(0))
+        head = ell + ell + _U64(1)
+        low = ((w << head) >> _U64(1)) >> (_U64(63) - n)
         long = np.flatnonzero(head + n > 57)
         if long.size:
-            low[long] = reader.read(at_bits[long] + head[long], n[long])
-        gaps[active, i] = (_U64(1) << un) | low
-        pos[active] = at_bits + head + n
+            low[long] = reader.read(at_bits[long] + head[long].view(np.int64), n[long])
+        gaps[: running[i], i] = (_U64(1) << n) | low
+        at_bits += (head + n).view(np.int64)
     if (pos != ends).any():
         raise FormatError("position stream blocks do not end at the next sync point")
 
