@@ -9,6 +9,7 @@ size and the total.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,9 @@ def compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
         strategy=zstandard.STRATEGY_FAST, write_content_size=True))
 
 
+@functools.cache
 def default_threads() -> int:
+    """Asked for by every spread of frames: ``os.cpu_count`` takes 6 us here, once."""
     return max(1, min(8, os.cpu_count() or 1))
 
 
