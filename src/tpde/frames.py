@@ -118,12 +118,13 @@ def compress_planes(rows: np.ndarray, *, level: int | None = DEFAULT_LEVEL,
 
 
 def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
-    """Reject a chunk table that is inconsistent or larger than ``limit`` raw bytes."""
+    """Reject a chunk table that is inconsistent or larger than ``limit`` raw bytes (its
+    entries are positive integers: the manifest's parser checks each as it reads it)."""
     if raw < 0 or raw > limit:
         raise FormatError(f"stream claims {raw} raw bytes where at most {limit} are possible")
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
         raise FormatError(f"chunk size {chunk} is outside [{MIN_CHUNK}, {MAX_CHUNK}]")
-    if len(table) != len(raw_sizes(raw, chunk)) or any(n <= 0 for n in table):
+    if len(table) != -(-raw // chunk):
         raise FormatError("chunk table does not match the stream's raw size")
 
 
