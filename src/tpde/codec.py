@@ -437,10 +437,12 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
         return Encoding("key", sections={"values": _compress(new, s)})
     ref = ref.to(new.device, non_blocking=True)
-    if torch.equal(new, ref):  # no mask or count for what did not change
-        return Encoding("same")
+    # The count tells an unchanged tensor too: torch.equal reads both in full as well, and
+    # took as long as the mask and its count together (10M words: 3.7 ms against 3.7 ms).
     changed = new != ref
     count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
+    if count == 0:
+        return Encoding("same")
 
     n = new.numel()
     options: list[tuple[str, str | None]] = [("key", None)]

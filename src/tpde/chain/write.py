@@ -115,7 +115,7 @@ class Writer(Reader):
             w = dt.words_per_element
             words = codec.to_words(piece.span.tensor.detach(), dt.word_dtype)
             words = words[piece.lo * w : piece.hi * w]
-            ref_words = reference.words.pop(piece.name, None) if reference else None
+            ref_words = spare = reference.words.pop(piece.name, None) if reference else None
             if piece.name in keyed:
                 ref_words = None
             elif reference and not reference.held:
@@ -127,7 +127,11 @@ class Writer(Reader):
             elif enc.codec == "same" and ref_words is not None and not ref_words.is_cuda:
                 host = ref_words  # the reference's own words: an unchanged tensor is not copied
             elif words.is_cuda or (keep_reference and not owned):
-                host = words.to("cpu", copy=True)
+                # Into the last reference's buffer, done with once this piece is coded: fresh
+                # pages cost about as much as the copy itself.
+                host = spare.copy_(words) if spare is not None and not spare.is_cuda \
+                    and spare.dtype == words.dtype and spare.shape == words.shape \
+                    else words.to("cpu", copy=True)
             else:
                 host = words
             # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
