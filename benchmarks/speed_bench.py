@@ -1,6 +1,7 @@
 """Save and restore speed against the plain format, side by side in one run: a 200 MB fp32
 state (a 100 MB weight and a 100 MB Adam-moment-like tensor), then the same after small
-updates, in a fresh folder on local disk (files written to the page cache, not forced to disk).
+updates, in a fresh folder on local disk. ``torch.save`` writes its file to the page cache;
+a tpde save fsyncs its blob before it commits, so ``torch.save + fsync`` is timed too.
 
 Rows: ``torch.save`` and ``torch.load`` of the state; a tpde keyframe save, a delta save, the
 restore of the delta step (its keyframe and one delta) and of a keyframe; and a step 15 deltas
@@ -53,6 +54,16 @@ def pin(cores: list[int]) -> None:
             pass
 
 
+def saved_durably(state: dict[str, torch.Tensor], path: str) -> None:
+    """``torch.save`` made durable, as a tpde save is before it commits (its blob is fsynced)."""
+    torch.save(state, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def timed(fn: Callable[[], object]) -> float:
     started = time.perf_counter()
     fn()
@@ -79,6 +90,8 @@ def main() -> None:
         for _ in range(args.repeats):
             path = os.path.join(root, "plain.pt")
             note("torch.save", timed(lambda: torch.save(chain[0], path)))
+            os.remove(path)
+            note("torch.save + fsync", timed(lambda: saved_durably(chain[0], path)))
             note("torch.load", timed(lambda: torch.load(path)))
             os.remove(path)
             for threads in (1, 2):
@@ -116,6 +129,10 @@ def main() -> None:
         "keyframe save / torch.save (2 thr)":
             medians["torch.save"] / medians["keyframe save, 2 thr"],
         "delta save / torch.save (2 thr)": medians["torch.save"] / medians["delta save, 2 thr"],
+        "keyframe save / torch.save + fsync (2 thr)":
+            medians["torch.save + fsync"] / medians["keyframe save, 2 thr"],
+        "delta save / torch.save + fsync (2 thr)":
+            medians["torch.save + fsync"] / medians["delta save, 2 thr"],
         "restore latest / torch.load (2 thr)":
             medians["torch.load"] / medians["restore latest (1 delta), 2 thr"],
         "15 deep / keyframe (time)":
