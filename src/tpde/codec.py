@@ -184,27 +184,21 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
 
 
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
+    """Host words from their byte planes (a device's are put together by ``tpde.kernels``):
+    little-endian words built from the top plane down, a shift and an OR per plane (per MiB
+    of bf16 99 us, of fp32 247 us, against 303 and 309 for a strided byte copy per plane)."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if planes.numel() % width:
         raise FormatError("byte planes do not hold a whole number of words")
     if width == 1:
         return planes.view(word_dtype)
-    by_plane = planes.reshape(width, -1)
-    if planes.device.type == "cpu":
-        # Little-endian words put together from the top plane down, a shift and an OR per
-        # plane: per MiB of bf16 99 us, of fp32 247 us, against 303 and 309 for a strided
-        # byte copy per plane.
-        p = by_plane.numpy()
-        out = np.empty(p.shape[1], dtype=f"<u{width}")
-        np.copyto(out, p[width - 1])
-        for k in range(width - 2, -1, -1):
-            np.left_shift(out, 8, out=out)
-            np.bitwise_or(out, p[k], out=out)
-        return torch.from_numpy(out.view(np.uint8)).view(word_dtype)
-    words = torch.empty((by_plane.shape[1], width), dtype=torch.uint8, device=planes.device)
-    for k in range(width):
-        words[:, k].copy_(by_plane[k])
-    return words.reshape(-1).view(word_dtype)
+    p = planes.reshape(width, -1).numpy()
+    out = np.empty(p.shape[1], dtype=f"<u{width}")
+    np.copyto(out, p[width - 1])
+    for k in range(width - 2, -1, -1):
+        np.left_shift(out, 8, out=out)
+        np.bitwise_or(out, p[k], out=out)
+    return torch.from_numpy(out.view(np.uint8)).view(word_dtype)
 
 
 def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
@@ -259,64 +253,42 @@ def _residual_host(new: np.ndarray, ref: np.ndarray, kind: str, out: np.ndarray)
         np.bitwise_xor(d, t, out=d)
 
 
-def _order_(words: torch.Tensor, tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """The order-preserving integer image of float bits, in place (an involution); ``tmp``
-    (words of the same shape) spares an allocation."""
-    bits = words.element_size() * 8
-    top = torch.bitwise_right_shift(words, bits - 1, out=tmp) if tmp is not None \
-        else words >> (bits - 1)
-    top &= (1 << (bits - 1)) - 1
-    return words.bitwise_xor_(top)
-
-
 def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
                    inplace: bool = False, tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of ``residual``.  With ``inplace`` both ``ref`` and ``r`` are overwritten;
-    ``tmp`` (words shaped as ``r``) is used for the temporaries instead of new tensors.
+    """Inverse of ``residual``, on host words (a device's are rebuilt by ``tpde.kernels``).
+    With ``inplace`` both ``ref`` and ``r`` are overwritten; ``tmp`` (words shaped as ``r``) is
+    used for the temporaries instead of a new tensor.
 
-    Host words are worked on with numpy: a restore applies residuals on its frame threads,
-    where torch's own intra-op threads would oversubscribe the cores (a 200 MB delta step
-    restored 15-20% faster with numpy here than with torch).
+    numpy, not torch: a restore applies residuals on its frame threads, where torch's own
+    intra-op threads would oversubscribe the cores (a 200 MB delta step restored 15-20% faster
+    with numpy here than with torch).
     """
-    out = ref if inplace else ref.clone()
     if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
         raise FormatError(f"unknown residual {how!r} for {kind} words")
-    d = r if inplace or how == "xor" else r.clone()
-    if out.device.type == "cpu":
-        _apply_host(out.numpy(), d.numpy(), how, kind,
-                    (tmp if tmp is not None else torch.empty_like(d)).numpy())
+    out = ref if inplace else ref.clone()
+    words = out.numpy()
+    d = (r if inplace or how == "xor" else r.clone()).numpy()
+    if how == "xor":
+        np.bitwise_xor(words, d, out=words)
         return out
-    if how == "xor":
-        return out.bitwise_xor_(d)
-    bits = d.element_size() * 8
-    sign = torch.bitwise_and(d, 1, out=tmp).neg_() if tmp is not None else (d & 1).neg_()
-    d.bitwise_right_shift_(1).bitwise_and_((1 << (bits - 1)) - 1).bitwise_xor_(sign)
-    if kind == "float":
-        return _order_(_order_(out, tmp).add_(d), tmp)
-    return out.add_(d)
-
-
-def _apply_host(out: np.ndarray, d: np.ndarray, how: str, kind: str, tmp: np.ndarray) -> None:
-    """``apply_residual`` in place on host words; ``d`` and ``tmp`` are overwritten."""
-    if how == "xor":
-        np.bitwise_xor(out, d, out=out)
-        return
+    t = (tmp if tmp is not None else torch.empty_like(r)).numpy()
     unsigned = np.dtype(f"u{d.itemsize}")
-    np.bitwise_and(d, 1, out=tmp)
-    np.negative(tmp, out=tmp)
+    np.bitwise_and(d, 1, out=t)
+    np.negative(t, out=t)
     np.right_shift(d.view(unsigned), 1, out=d.view(unsigned))  # the zigzag undone
-    np.bitwise_xor(d, tmp, out=d)
+    np.bitwise_xor(d, t, out=d)
     if kind == "float":
-        _order_host(out, tmp)
-    np.add(out, d, out=out)  # wraps, as the residual's difference did
+        _order_host(words, t)
+    np.add(words, d, out=words)  # wraps, as the residual's difference did
     if kind == "float":
-        _order_host(out, tmp)
+        _order_host(words, t)
+    return out
 
 
 def _order_host(words: np.ndarray, tmp: np.ndarray, out: np.ndarray | None = None) -> None:
-    """``_order_`` of host words into ``out`` (default: in place; ``tmp`` may be ``out``): the
-    sign, spread by an arithmetic shift, then shifted once logically, is the mask that the
-    image XORs with."""
+    """The order-preserving integer image of float bits (an involution) into ``out``
+    (default: in place; ``tmp`` may be ``out``): the sign, spread by an arithmetic shift, then
+    shifted once logically, is the mask that the image XORs with."""
     unsigned = np.dtype(f"u{words.itemsize}")
     np.right_shift(words, words.itemsize * 8 - 1, out=tmp)
     np.right_shift(tmp.view(unsigned), 1, out=tmp.view(unsigned))
@@ -499,19 +471,18 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
 
 # ---------------------------------------------------------------- decoding
 class CPU:
-    """Where and how ``decode`` does its work: here, with torch on the reference's device."""
+    """Where and how ``decode`` does its work: on the host (error-bounded records with torch,
+    on the reference's device; ``tpde.kernels`` subclasses this for a GPU)."""
 
     def words(self, sections: dict[str, bytes | bytearray], name: str,
               word_dtype: torch.dtype, dest: torch.Tensor | None = None) -> torch.Tensor:
         return _words_from(sections, name, word_dtype, dest)
 
     def dense(self, ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-        r = r.to(ref.device)
         # In slices, through one slice-sized temporary: every pass runs in cache.
-        per = HOST_SLICE if ref.device.type == "cpu" else RESIDUAL_SLICE
-        tmp = torch.empty(min(per, ref.numel()), dtype=ref.dtype, device=ref.device)
-        for lo in range(0, ref.numel(), per):
-            hi = min(lo + per, ref.numel())
+        tmp = torch.empty(min(HOST_SLICE, ref.numel()), dtype=ref.dtype)
+        for lo in range(0, ref.numel(), HOST_SLICE):
+            hi = min(lo + HOST_SLICE, ref.numel())
             apply_residual(ref[lo:hi], r[lo:hi], how, kind, inplace=True, tmp=tmp[: hi - lo])
         return ref
 
@@ -522,13 +493,9 @@ class CPU:
         return torch.from_numpy(decoded).to(device)
 
     def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        r = r.to(ref.device)
-        if ref.device.type == "cpu":
-            # numpy, as in apply_residual: 3.3 ms for 1.1M positions, torch's indexing 5.2 ms
-            words = ref.numpy()
-            words[pos.numpy()] ^= r.numpy()
-            return ref
-        ref[pos] = ref[pos] ^ r
+        # numpy, as in apply_residual: 3.3 ms for 1.1M positions, torch's indexing 5.2 ms
+        words = ref.numpy()
+        words[pos.numpy()] ^= r.numpy()
         return ref
 
     def quant(self, grid: str, scale: float, dtype: str, n: int, values: torch.Tensor,

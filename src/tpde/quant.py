@@ -5,7 +5,7 @@ reader will rebuild for the reference (error feedback), never against the true p
 values: the restored value at a step then depends only on that step's codes and the restored
 reference, so errors cannot add up along a chain. Two grids:
 
-* ``ulp``: the order-preserving integer images of the floats (``codec._order_``), rounded to
+* ``ulp``: the order-preserving integer images of the floats (``_order``), rounded to
   multiples of ``2k + 1`` units in the last place. ``k`` units are at most ``k * 2**-m`` of a
   value (``m`` mantissa bits), which makes this the grid of a relative bound. Integer
   arithmetic only, so every device rebuilds the same bits.
