@@ -210,13 +210,6 @@ class Store:
         """
         if not ranges:
             return []
-        if self.maps and sum(b - a for a, b in ranges) >= MAP_BYTES:
-            whole = self.read(rel, MAP_BYTES)
-            for a, b in ranges:
-                if b > len(whole):
-                    raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
-                                     f"(range {a}-{b} of {len(whole)} bytes)")
-            return [whole[a:b] for a, b in ranges]
         spans: list[list[int]] = []  # [start, end, first index into `order`]
         order = sorted(range(len(ranges)), key=lambda i: ranges[i])
         for k, i in enumerate(order):
@@ -226,7 +219,10 @@ class Store:
             else:
                 spans.append([a, b, k])
         path = self._abs(rel)
-        if self.maps:  # one descriptor for every span (a mount reads a frame at a time)
+        if self.maps and sum(b - a for a, b in ranges) >= MAP_BYTES:
+            whole = self.read(rel, MAP_BYTES)
+            got: list[bytes | memoryview] = [whole[a:b] for a, b, _ in spans]
+        elif self.maps:  # one descriptor for every span (a mount reads a frame at a time)
             got = self._retry(f"read {rel} in", lambda: _pread(path, spans))
         else:
             got = self._retry(f"read {rel} in", lambda: self.fs.cat_ranges(
