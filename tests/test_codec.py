@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,24 @@ def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: 
     assert sec == frames.compress(_bytes_of(codec.shuffle(words)), level=1, chunk=chunk)
     assert torch.equal(back, words)
 
+
+
+def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy() -> None:
+    """Two encode tasks spread frames at once; a part the frame threads have not started is
+    done by the caller, never waited for (here the threads are held until the end)."""
+    pool = frames._frame_pool()
+    gate = threading.Event()
+    held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
+    rows = np.random.default_rng(0).integers(0, 8, (1 << 19, 4), dtype=np.uint8)
+    done: list[frames.Section] = []
+    try:
+        worker = threading.Thread(target=lambda: done.append(
+            frames.compress_planes(rows, chunk=1 << 16, threads=2)))
+        worker.start()
+        worker.join(timeout=30)
+        assert done, "the spread waited for busy frame threads"
+    finally:
+        gate.set()
+        for f in held:
+            f.result()
+    assert done[0] == frames.compress_planes(rows, chunk=1 << 16, threads=1)

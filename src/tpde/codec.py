@@ -37,7 +37,11 @@ GRIDS = ("ulp", "abs")
 RESIDUALS = ("xor", "sub")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
-SAMPLE_WINDOWS, SAMPLE_WORDS = 16, 8192
+#: The sample: evenly spaced windows, together about 1/SAMPLE_FRACTION of the tensor, each
+#: between the two window sizes. A fixed 128K-word sample made each option cost a ~1 MB tensor
+#: 1.5x its own encode: compare.py's A saved 1.3x faster with this one, at the same ratio.
+SAMPLE_WINDOWS, SAMPLE_FRACTION = 16, 8
+MIN_WINDOW_WORDS, MAX_WINDOW_WORDS = 512, 8192
 #: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
 #: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
 STREAM_APPLY_BYTES = 1 << 20
@@ -326,19 +330,22 @@ def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
     return frames.compress_planes(rows, level=s.level, chunk=chunk, threads=s.threads)
 
 
-def _sample_starts(length: int) -> list[int] | None:
-    """Starts of evenly spaced windows of ``length`` elements (None when the whole is small
-    enough)."""
-    if length <= SAMPLE_WINDOWS * SAMPLE_WORDS:
+def _sample_starts(length: int) -> tuple[list[int], int] | None:
+    """Starts of evenly spaced windows of ``length`` elements, and the window size (None when
+    a sample would be half the whole or more)."""
+    size = min(MAX_WINDOW_WORDS,
+               max(MIN_WINDOW_WORDS, length // (SAMPLE_WINDOWS * SAMPLE_FRACTION)))
+    if 2 * SAMPLE_WINDOWS * size > length:
         return None
-    return torch.linspace(0, length - SAMPLE_WORDS, SAMPLE_WINDOWS,
-                          dtype=torch.float64).long().tolist()
+    return torch.linspace(0, length - size, SAMPLE_WINDOWS,
+                          dtype=torch.float64).long().tolist(), size
 
 
-def _windows(t: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """The windows of ``t`` at ``starts``, end to end: slices, not a gather by index (the
-    sampling of a mid-size tensor cost as much as its full encode that way)."""
-    return torch.cat([t[a : a + SAMPLE_WORDS] for a in starts])
+def _windows(t: torch.Tensor, sample: tuple[list[int], int]) -> torch.Tensor:
+    """The windows of ``t`` at the sample's starts, end to end: slices, not a gather by index
+    (the sampling of a mid-size tensor cost as much as its full encode that way)."""
+    starts, size = sample
+    return torch.cat([t[a : a + size] for a in starts])
 
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
@@ -427,14 +434,15 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         options.append(("sparse", "xor"))
     del changed
 
-    def build(option: tuple[str, str | None], starts: list[int] | None = None) -> torch.Tensor:
+    def build(option: tuple[str, str | None],
+              sample: tuple[list[int], int] | None = None) -> torch.Tensor:
         """The words an option compresses: of every element, or of the changed ones (sparse);
-        of the windows at ``starts`` only, when given."""
+        of the sample's windows only, when given."""
         name, how = option
         if name == "sparse":
-            at = positions if starts is None else _windows(positions, starts)
+            at = positions if sample is None else _windows(positions, sample)
             return residual(new[at], ref[at], "xor", kind)
-        a, b = (new, ref) if starts is None else (_windows(new, starts), _windows(ref, starts))
+        a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
 
     def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
@@ -449,12 +457,12 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     exact = n * new.element_size() <= EXACT_CHOICE_BYTES
     for option in options:
         length = count if option[0] == "sparse" else n
-        starts = None if exact else _sample_starts(length)
-        coded_as = _compress(build(option, starts), s)
-        if starts is None:  # the whole of it: kept, should it win
+        sample = None if exact else _sample_starts(length)
+        coded_as = _compress(build(option, sample), s)
+        if sample is None:  # the whole of it: kept, should it win
             built[option], sizes[option] = coded_as, coded_as.stored
         else:
-            sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * SAMPLE_WORDS)
+            sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
         # The positions are sized only where the values alone would beat every dense option.
         if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
                                                           if o[0] == "dense"):

@@ -244,12 +244,18 @@ def spread(count: int, threads: int | None, work: Callable[[range], None], raw: 
     pool = _frame_pool()
     parts = [range(count * t // n, count * (t + 1) // n) if runs else range(t, count, n)
              for t in range(n)]
-    others = [pool.submit(work, part) for part in parts[1:]]
+    others = [(pool.submit(work, part), part) for part in parts[1:]]
     try:
         work(parts[0])
     finally:
-        for f in others:
-            f.result()
+        # A part the pool has not started yet (its threads are busy with another caller's
+        # frames) is done here instead of waited for: two encode tasks spreading at once made
+        # each other wait, and two threads saved a delta step 1.1x faster than one.
+        for f, part in others:
+            if f.cancel():
+                work(part)
+            else:
+                f.result()
 
 
 def _frame_pool() -> ThreadPoolExecutor:

@@ -221,8 +221,9 @@ class Retainer(Writer):
                     or p.startswith(f"{DATA}/{name(s)}-")]
             owned.update(mine)
             out.damaged[s] = sum(files[p] for p in mine)
-        readers = readers_of(manifests, visible)
-        out.needed_by = {s: readers.get(s, []) for s in out.hidden}
+        if out.hidden:  # walking every visible step's references costs a save O(steps) more
+            readers = readers_of(manifests, visible)
+            out.needed_by = {s: readers.get(s, []) for s in out.hidden}
         for path, size in files.items():
             if path in owned:
                 continue
