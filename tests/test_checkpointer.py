@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -357,6 +358,31 @@ def test_large_local_reads_are_mapped_and_stay_exact(tmp_path) -> None:
     with pytest.raises(tpde.StoreError, match="shorter than its manifest says"):
         s.read_ranges("short", [(0, store.MAP_BYTES + 1)])
     assert bytes(s.read_ranges("short", [(1, 3)])[0]) == data[1:3]  # small: copied
+
+
+def test_a_local_blob_is_handed_to_the_disk_as_it_is_written(tmp_path, monkeypatch) -> None:
+    """Every WRITEBACK_BYTES a local blob's new bytes are handed to the disk (where the OS
+    can be asked to): ranges that follow each other from the start, of flushed bytes, and a
+    step that restores exactly."""
+    if store._WRITEBACK is None:
+        pytest.skip("no sync_file_range here")
+    handed: list[tuple[int, int]] = []
+    real = store._WRITEBACK
+
+    def record(fd: int, offset: int, length: int) -> int:
+        assert os.fstat(fd).st_size >= offset + length  # flushed before it is handed over
+        handed.append((offset, length))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(store, "_WRITEBACK", record)
+    monkeypatch.setattr(store, "WRITEBACK_BYTES", 1 << 16)
+    ck = tpde.Checkpointer(str(tmp_path / "r"), chunk_bytes=4096)
+    state = {"w": torch.randn(200_000, generator=torch.Generator().manual_seed(0))}
+    ck.save(0, state)
+    assert len(handed) > 5
+    assert [o for o, _ in handed] == [0] + list(itertools.accumulate(n for _, n in handed))[:-1]
+    assert all(n >= 1 << 16 for _, n in handed)
+    assert torch.equal(tpde.Checkpointer(str(tmp_path / "r")).load(0)["w"], state["w"])
 
 
 def test_unstorable_value_is_refused_before_anything_is_written(tmp_path) -> None:
