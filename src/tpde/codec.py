@@ -42,6 +42,11 @@ EXACT_CHOICE_BYTES = 256 * 1024
 #: 1.5x its own encode: compare.py's A saved 1.3x faster with this one, at the same ratio.
 SAMPLE_WINDOWS, SAMPLE_FRACTION = 16, 8
 MIN_WINDOW_WORDS, MAX_WINDOW_WORDS = 512, 8192
+#: A sparse and a dense option whose estimated sizes are closer than this are both coded in
+#: full, up to CLOSE_CALL_BYTES: estimates mis-ranked options 6-8% apart on C-minilm-bf16's
+#: 0.3-1.2 MB projections (larger tensors have larger samples; B's 47 MB embedding coded
+#: both ways slowed its save 10-20% for 5 kB).
+CLOSE_CALL, CLOSE_CALL_BYTES = 1.1, 4 << 20
 #: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
 #: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
 STREAM_APPLY_BYTES = 1 << 20
@@ -354,7 +359,8 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
     """Encode ``new`` words against ``ref`` words (or as a keyframe when ``ref`` is None).
 
     Small tensors are encoded every way and the smallest kept; for large ones the choice is made
-    on evenly spaced samples and only the winner is encoded in full. With a ``bound`` on a
+    on evenly spaced samples and only the winner is encoded in full (both finalists, when a
+    sparse and a dense coding of a mid-size tensor come too close to call). With a ``bound`` on a
     floating-point ``dtype`` the best exact coding competes with the error-bounded ones.
     """
     s = settings or Settings()
@@ -445,12 +451,17 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
 
+    coded_positions: list[frames.Section] = []  # coded once, when a close call needs them
+
     def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
         enc = Encoding(option[0], option[1], count if option[0] != "key" else 0,
                        {"values": values})
         if option[0] == "sparse":
-            enc.sections["positions"] = _positions(positions, s)
+            enc.sections["positions"] = (coded_positions or [_positions(positions, s)])[0]
         return enc
+
+    def position_bytes() -> float:
+        return elias.encoded_bits(positions.cpu().numpy()) / 8 + 16 * (count // s.block + 1)
 
     sizes: dict[tuple[str, str | None], float] = {}
     built: dict[tuple[str, str | None], frames.Section] = {}
@@ -466,10 +477,24 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # The positions are sized only where the values alone would beat every dense option.
         if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
                                                           if o[0] == "dense"):
-            bits = elias.encoded_bits(positions.cpu().numpy())
-            sizes[option] += bits / 8 + 16 * (count // s.block + 1)
+            sizes[option] += position_bytes()
 
-    best = min((o for o in sizes if o[0] != "key"), key=sizes.__getitem__)
+    ranked = sorted((o for o in sizes if o[0] != "key"), key=sizes.__getitem__)
+    best = ranked[0]
+    if len(ranked) > 1 and ("sparse", "xor") in ranked[:2] \
+            and sizes[ranked[1]] <= CLOSE_CALL * sizes[best] \
+            and n * new.element_size() <= CLOSE_CALL_BYTES:
+        # Sparse against dense, too close to call on the Elias estimate (its block headers
+        # make it up to ~10% high) or on samples: both are coded in full, positions too, and
+        # the smaller kept. (Between dense residuals samples rank well enough: settling
+        # those too slowed A's and B's saves 20% for 0.02% of bytes.)
+        for option in ranked[:2]:
+            built[option] = whole = built.get(option) or _compress(build(option), s)
+            sizes[option] = whole.stored
+            if option[0] == "sparse":
+                coded_positions.append(_positions(positions, s))
+                sizes[option] += coded_positions[0].stored
+        best = min(ranked[:2], key=sizes.__getitem__)
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     if best[0] != "sparse":
