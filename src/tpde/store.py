@@ -319,10 +319,11 @@ def write_error(verb: str, where: str, exc: BaseException) -> StoreError:
 
 def _start_writeback() -> Callable[[int, int, int], Any] | None:
     """Linux's ``sync_file_range`` asked to start writing a range out without waiting for it,
-    the way RocksDB's ``bytes_per_sync`` does (None elsewhere: the fsync does it all)."""
+    the way RocksDB's ``bytes_per_sync`` does (None elsewhere: the fsync does it all). Its
+    result is not looked at: it is a hint, and the fsync reports what went wrong."""
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # not Linux
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     write = 2  # SYNC_FILE_RANGE_WRITE
