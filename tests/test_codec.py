@@ -260,7 +260,6 @@ def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: 
     assert torch.equal(back, words)
 
 
-
 def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy() -> None:
     """Two encode tasks spread frames at once; a part the frame threads have not started is
     done by the caller, never waited for (here the threads are held until the end)."""

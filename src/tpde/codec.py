@@ -451,13 +451,14 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
 
-    coded_positions: list[frames.Section] = []  # coded once, when a close call needs them
+    coded_positions: frames.Section | None = None  # coded already, by a close call
 
     def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
         enc = Encoding(option[0], option[1], count if option[0] != "key" else 0,
                        {"values": values})
         if option[0] == "sparse":
-            enc.sections["positions"] = (coded_positions or [_positions(positions, s)])[0]
+            enc.sections["positions"] = coded_positions if coded_positions is not None \
+                else _positions(positions, s)
         return enc
 
     def position_bytes() -> float:
@@ -492,8 +493,8 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
             built[option] = whole = built.get(option) or _compress(build(option), s)
             sizes[option] = whole.stored
             if option[0] == "sparse":
-                coded_positions.append(_positions(positions, s))
-                sizes[option] += coded_positions[0].stored
+                coded_positions = _positions(positions, s)
+                sizes[option] += coded_positions.stored
         best = min(ranked[:2], key=sizes.__getitem__)
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)

@@ -355,10 +355,11 @@ class BlobWriter:
         try:
             if self.store.local:
                 self._f.write(data)
-                if _WRITEBACK is not None and at + len(data) - self._handed >= WRITEBACK_BYTES:
+                end = at + len(data)
+                if _WRITEBACK is not None and end - self._handed >= WRITEBACK_BYTES:
                     self._f.flush()
-                    _WRITEBACK(self._f.fileno(), self._handed, at + len(data) - self._handed)
-                    self._handed = at + len(data)
+                    _WRITEBACK(self._f.fileno(), self._handed, end - self._handed)
+                    self._handed = end
             else:  # a part upload may start here
                 _bounded(lambda: self._f.write(data), len(data))
         except Exception as exc:  # remote backends also raise timeouts and client errors
