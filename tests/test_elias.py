@@ -1,4 +1,5 @@
-"""Elias-delta position stream: the spec's bit patterns, round trips, hostile streams."""
+"""Elias-delta position stream: the spec's bit patterns, round trips, hostile streams, with
+both coders (C and numpy), which must write the same streams and read them alike."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpde import FormatError, elias
+
+CODERS = pytest.mark.parametrize("use_native", [True, False], ids=["c", "numpy"])
+
+
+def test_the_c_coder_is_built() -> None:
+    # Built by `pip install -e .` wherever a C compiler is found; without it every test below
+    # would silently run numpy twice.
+    assert elias.native is not None, "tpde._elias was not built: install a C compiler, reinstall"
+
+
+@given(st.lists(st.integers(1, 2**56 // 512), max_size=600), st.integers(1, 70))
+def test_the_c_and_numpy_coders_write_the_same_stream(gaps: list[int], block: int) -> None:
+    p = np.cumsum(np.array(gaps, dtype=np.int64)) - 1
+    c = elias.encode(p, block)
+    assert c == elias.encode(p, block, use_native=False)
+    for use_native in (True, False):
+        assert np.array_equal(elias.decode(c, limit=2**56, use_native=use_native), p)
 
 
 def code_bits(positions: list[int], block: int = 256) -> str:
@@ -41,20 +59,24 @@ def test_sync_points_record_bit_offset_and_base() -> None:
     assert sync.tolist() == [[0, 0], [2, 2], [11, 11]]
 
 
+@CODERS
 @given(st.sets(st.integers(0, 2**56 - 1), max_size=300), st.integers(1, 64))
-def test_round_trip(positions: set[int], block: int) -> None:
+def test_round_trip(use_native: bool, positions: set[int], block: int) -> None:
     p = np.array(sorted(positions), dtype=np.int64)
-    out = elias.decode(elias.encode(p, block), limit=2**56)
+    out = elias.decode(elias.encode(p, block, use_native=use_native), limit=2**56,
+                       use_native=use_native)
     assert np.array_equal(out, p)
 
 
+@CODERS
 @given(st.integers(1, 5000), st.floats(0.0001, 1.0), st.integers(0, 2**31))
-def test_round_trip_dense_ranges(n: int, density: float, seed: int) -> None:
+def test_round_trip_dense_ranges(use_native: bool, n: int, density: float, seed: int) -> None:
     rng = np.random.default_rng(seed)
     size = int(n / density) + 1
     p = np.sort(rng.choice(size, size=min(n, size), replace=False))
-    assert np.array_equal(elias.decode(elias.encode(p), limit=size), p)
-    assert elias.encoded_bits(p) == elias.HEADER.unpack_from(elias.encode(p))[3]
+    stream = elias.encode(p, use_native=use_native)
+    assert np.array_equal(elias.decode(stream, limit=size, use_native=use_native), p)
+    assert elias.encoded_bits(p) == elias.HEADER.unpack_from(stream)[3]
 
 
 @given(st.sets(st.integers(0, 2**56 - 1), max_size=400), st.integers(1, 8),
@@ -73,34 +95,46 @@ def test_coding_in_pieces_gives_the_same_stream(positions: set[int], block: int,
         elias.PIECE = saved
 
 
+@CODERS
 @pytest.mark.parametrize("bad", [[1, 1], [3, 2], [-1], [2**56]])
-def test_encoder_rejects_bad_positions(bad: list[int]) -> None:
+def test_encoder_rejects_bad_positions(use_native: bool, bad: list[int]) -> None:
     with pytest.raises(ValueError):
-        elias.encode(np.array(bad, dtype=np.int64))
+        elias.encode(np.array(bad, dtype=np.int64), use_native=use_native)
 
 
+@CODERS
 @given(st.binary(max_size=200))
-def test_hostile_bytes_raise_format_error_only(data: bytes) -> None:
+def test_hostile_bytes_raise_format_error_only(use_native: bool, data: bytes) -> None:
     try:
-        elias.decode(data, limit=10**6)
+        elias.decode(data, limit=10**6, use_native=use_native)
     except FormatError:
         pass
 
 
+@CODERS
 @given(st.data())
-def test_flipped_bits_never_escape_as_other_errors(data: st.DataObject) -> None:
+def test_flipped_bits_never_escape_as_other_errors(use_native: bool, data: st.DataObject) -> None:
     p = np.array(sorted(data.draw(st.sets(st.integers(0, 10**6), min_size=1, max_size=200))))
     stream = bytearray(elias.encode(p, block=16))
     i = data.draw(st.integers(0, len(stream) - 1))
     stream[i] ^= 1 << data.draw(st.integers(0, 7))
     try:
-        out = elias.decode(bytes(stream), limit=10**6 + 1)
+        out = elias.decode(bytes(stream), limit=10**6 + 1, use_native=use_native)
     except FormatError:
         return
     assert (np.diff(out) > 0).all() and out.size <= 10**6 + 1
 
 
-def test_claimed_count_beyond_limit_is_refused_before_allocation() -> None:
+@CODERS
+def test_claimed_count_beyond_limit_is_refused_before_allocation(use_native: bool) -> None:
     stream = elias.HEADER.pack(10**15, 256, 0, 10**15)
     with pytest.raises(FormatError, match="claims"):
-        elias.decode(stream, limit=10**6)
+        elias.decode(stream, limit=10**6, use_native=use_native)
+
+
+@CODERS
+def test_a_position_past_the_tensor_is_refused(use_native: bool) -> None:
+    stream = elias.encode(np.array([2, 5]), use_native=use_native)
+    assert elias.decode(stream, limit=6, use_native=use_native).tolist() == [2, 5]
+    with pytest.raises(FormatError, match="past the end of a tensor of 5"):
+        elias.decode(stream, limit=5, use_native=use_native)
