@@ -47,7 +47,7 @@ import contenders  # noqa: E402
 from helpers import difference  # noqa: E402  (the tests' own bit-exact comparison)
 from report import workload_table  # noqa: E402
 import workloads  # noqa: E402
-from tpde import codec, dtypes, tree  # noqa: E402
+from tpde import dtypes, transform, tree  # noqa: E402
 
 # tpde's "best level": level 12 gains 0-3% more but saves at 10-40 MB/s here (chain_bench.py).
 BEST_LEVEL = 9
@@ -97,8 +97,8 @@ def residual_bits(new: torch.Tensor, old: torch.Tensor) -> float:
     below its leading one.  A per-tensor estimate, not a proof of optimality.
     """
     d = dtypes.of_tensor(new)
-    a, b = codec.to_words(new, d.word_dtype), codec.to_words(old, d.word_dtype)
-    r = codec.residual(a, b, "xor" if d.kind == "raw" else "sub", d.kind)
+    a, b = transform.to_words(new, d.word_dtype), transform.to_words(old, d.word_dtype)
+    r = transform.residual(a, b, "xor" if d.kind == "raw" else "sub", d.kind)
     z = r.numpy().view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[d.word_bytes])
     _, length = np.frexp(z.astype(np.float64))
     counts = np.bincount(length.ravel(), minlength=d.word_bytes * 8 + 1)

@@ -3,8 +3,8 @@ in 256 KiB frames, by ``tpde.frames`` (the process's frame threads, one zstd cal
 against zstandard's batch API (``multi_compress_to_buffer`` / ``multi_decompress_to_buffer``,
 which start their threads on every call, then a copy of every frame into the result, as tpde
 did before). "To words" is what a restore needs: the planes decompressed and put back
-together as words, by the batch API and then ``codec.unshuffle`` (before), or by
-``codec.framed_words`` (``frames.unshuffle_into``), which puts each frame in place as it is
+together as words, by the batch API and then ``transform.unshuffle`` (before), or by
+``transform.framed_words`` (``frames.unshuffle_into``), which puts each frame in place as it is
 decompressed.
 
 Streams: the byte planes of a 64 MiB fp32 weight (a keyframe) and of the residual of a small
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import zstandard
 
-from tpde import codec, frames
+from tpde import codec, frames, transform
 
 MB = 1e6
 
@@ -75,8 +75,8 @@ def main() -> None:
     w = torch.randn(16 << 20, generator=g) * 0.02
     moved = w + 1e-4 * torch.randn(w.shape, generator=g) * 0.02
     streams = {
-        "keyframe": codec.shuffle(w.view(torch.int32)),
-        "delta": codec.shuffle(codec.residual(moved.view(torch.int32), w.view(torch.int32),
+        "keyframe": transform.shuffle(w.view(torch.int32)),
+        "delta": transform.shuffle(transform.residual(moved.view(torch.int32), w.view(torch.int32),
                                               "sub", "float")),
     }
     rows = []
@@ -87,8 +87,8 @@ def main() -> None:
         fr = list(sec.frames)
         assert bytes(batch_api_decompress(fr, sec.raw, chunk, 1)) == data.tobytes()
         assert frames.decompress(fr, sec.raw, chunk).tobytes() == data.tobytes()
-        assert torch.equal(codec.framed_words(frames.Frames(fr, sec.raw, chunk), torch.int32),
-                           codec.unshuffle(planes, torch.int32))
+        assert torch.equal(transform.framed_words(frames.Frames(fr, sec.raw, chunk), torch.int32),
+                           transform.unshuffle(planes, torch.int32))
         for threads in (1, 2):
             row = {"stream": name, "threads": threads, "ratio": round(sec.raw / sec.stored, 3),
                    "compress_batch_api_MBps": rate(
@@ -99,12 +99,12 @@ def main() -> None:
                        lambda: batch_api_decompress(fr, sec.raw, chunk, threads), sec.raw),
                    "decompress_tpde_MBps": rate(
                        lambda: frames.decompress(fr, sec.raw, chunk, threads=threads), sec.raw),
-                   "words_batch_api_MBps": rate(lambda: codec.unshuffle(torch.frombuffer(
+                   "words_batch_api_MBps": rate(lambda: transform.unshuffle(torch.frombuffer(
                        batch_api_decompress(fr, sec.raw, chunk, threads), dtype=torch.uint8),
                        torch.int32), sec.raw),
                    "words_tpde_MBps": rate(
-                       lambda: codec.framed_words(frames.Frames(fr, sec.raw, chunk), torch.int32,
-                                                 threads=threads), sec.raw)}
+                       lambda: transform.framed_words(frames.Frames(fr, sec.raw, chunk),
+                                                      torch.int32, threads=threads), sec.raw)}
             rows.append({k: round(v) if isinstance(v, float) and k.endswith("MBps") else v
                          for k, v in row.items()})
     stages = ("compress", "decompress", "words")

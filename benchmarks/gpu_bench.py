@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import codec, elias, frames
+from tpde import elias, frames, transform
 from tpde.kernels import nvcomp
 from tpde.kernels import triton_kernels as tk
 
@@ -54,8 +54,8 @@ def main() -> None:
     n = args.mb * 1_000_000 // 4
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, generator=g) * 0.02
-    words = codec.to_words(w, torch.int32)
-    planes = codec.shuffle(words)
+    words = transform.to_words(w, torch.int32)
+    planes = transform.shuffle(words)
     rows: list[dict[str, Any]] = []
 
     def row(what: str, seconds: float, nbytes: int, **extra: Any) -> None:
@@ -98,10 +98,10 @@ def main() -> None:
     # The Triton kernels.
     row("unshuffle kernel (fp32 planes)", median_s(
         lambda: tk.unshuffle(on_dev, torch.int32), args.repeats), raw)
-    ref = codec.to_words(w + 1e-4 * torch.randn(n, generator=g), torch.int32)
+    ref = transform.to_words(w + 1e-4 * torch.randn(n, generator=g), torch.int32)
     ref_dev, words_dev = ref.to(dev), words.to(dev)
     for how in ("xor", "sub"):
-        r = codec.residual(words, ref, how, "float").to(dev)
+        r = transform.residual(words, ref, how, "float").to(dev)
         target = ref_dev.clone()
         row(f"dense {how} residual kernel", median_s(
             lambda: tk.apply_residual_(target, r, how, "float"), args.repeats), raw)

@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 import workloads  # noqa: E402
 
 import tpde  # noqa: E402
-from tpde import codec, elias  # noqa: E402
+from tpde import elias, transform  # noqa: E402
 
 BOUNDS = {"B-minilm-finetune": [1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
           "C-minilm-bf16": [1e-3, 1e-2, 3e-2],
@@ -88,16 +88,16 @@ def threshold_baseline(states: list[dict], name: str, rel: float) -> tuple[int, 
     for state in states:
         w = weights(state, name)
         for k, x in w.items():
-            words = codec.to_words(x, torch.int16 if x.element_size() == 2 else torch.int32)
+            words = transform.to_words(x, torch.int16 if x.element_size() == 2 else torch.int32)
             if k not in prev_true:
-                stored += len(cctx.compress(codec.shuffle(words).numpy().tobytes()))
+                stored += len(cctx.compress(transform.shuffle(words).numpy().tobytes()))
                 have[k] = x.clone()
             else:
                 p = prev_true[k]
                 changed = ((x.double() - p.double()).abs() > rel * p.double().abs()).reshape(-1)
                 at = torch.nonzero(changed).reshape(-1)
                 stored += len(elias.encode(at.numpy())) if at.numel() else 0
-                vals = codec.shuffle(words[at] ^ codec.to_words(have[k], words.dtype)[at])
+                vals = transform.shuffle(words[at] ^ transform.to_words(have[k], words.dtype)[at])
                 stored += len(cctx.compress(vals.numpy().tobytes())) if at.numel() else 0
                 flat = have[k].reshape(-1).clone()
                 flat[at] = x.reshape(-1)[at]

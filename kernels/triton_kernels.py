@@ -124,7 +124,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None
 
 
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
-    """``tpde.codec.unshuffle`` on the device of ``planes``."""
+    """``tpde.transform.unshuffle`` on the device of ``planes``."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if planes.numel() % width:
         raise FormatError("byte planes do not hold a whole number of words")
@@ -136,7 +136,8 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 
 
 def apply_residual_(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-    """``tpde.codec.apply_residual(..., inplace=True)`` on the device: ``ref`` becomes the new words."""
+    """``tpde.transform.apply_residual(..., inplace=True)`` on the device: ``ref`` becomes the new
+    words."""
     n = ref.numel()
     if r.numel() != n:
         raise FormatError(f"dense residual holds {r.numel()} words where {n} are expected")

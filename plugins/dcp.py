@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   SavePlanner, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
-from tpde import codec, dtypes, frames
+from tpde import codec, dtypes, frames, transform
 from tpde.api import check_reference
 from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
@@ -295,7 +295,7 @@ class Writer(_OnRun, StorageWriter):
     def _record(self, writer: Any, prev: Manifest | None, piece: str, start: int | None,
                 t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
         dt = dtypes.of_tensor(t, name=piece)
-        words = codec.to_words(t, dt.word_dtype)
+        words = transform.to_words(t, dt.word_dtype)
         enc = codec.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name)
         ref = None
         if not enc.keyed and prev is not None:

@@ -11,7 +11,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, codec, dtypes, frames
+from tpde import FormatError, codec, dtypes, frames, transform
 
 DTYPES = sorted(dtypes.BY_NAME)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -29,8 +29,8 @@ def random_tensor(dt: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.
 
 def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Settings = SMALL) -> codec.Encoding:
     dt = dtypes.of_tensor(new)
-    nw = codec.to_words(new, dt.word_dtype)
-    rw = None if ref is None else codec.to_words(ref, dt.word_dtype)
+    nw = transform.to_words(new, dt.word_dtype)
+    rw = None if ref is None else transform.to_words(ref, dt.word_dtype)
     enc = codec.encode(nw, rw, dt.kind, settings)
     sections = {k: frames.decompress(list(s.frames), s.raw, s.chunk) for k, s in enc.sections.items()}
     out = codec.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
@@ -66,16 +66,17 @@ def test_keyframe_round_trip_every_dtype(name: str, shape: tuple, seed: int) -> 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "float64", "int32", "uint8", "float8_e4m3fn"])
 def test_residuals_invert(how: str, name: str) -> None:
     dt = dtypes.BY_NAME[name]
-    a = codec.to_words(random_tensor(dt, (999,), 1), dt.word_dtype)
-    b = codec.to_words(random_tensor(dt, (999,), 2), dt.word_dtype)
-    r = codec.residual(a, b, how, dt.kind)
-    assert torch.equal(codec.apply_residual(b, r, how, dt.kind), a)
+    a = transform.to_words(random_tensor(dt, (999,), 1), dt.word_dtype)
+    b = transform.to_words(random_tensor(dt, (999,), 2), dt.word_dtype)
+    r = transform.residual(a, b, how, dt.kind)
+    assert torch.equal(transform.apply_residual(b, r, how, dt.kind), a)
 
 
 def test_sub_residual_is_small_for_nearby_floats() -> None:
     a = torch.randn(10000, generator=torch.Generator().manual_seed(0))
     b = torch.nextafter(a, torch.full_like(a, float("inf")))  # one ulp up, across sign changes
-    r = codec.residual(codec.to_words(b, torch.int32), codec.to_words(a, torch.int32), "sub", "float")
+    r = transform.residual(transform.to_words(b, torch.int32), transform.to_words(a, torch.int32),
+                           "sub", "float")
     assert int(r.abs().max()) <= 2
 
 
@@ -94,7 +95,8 @@ def test_codec_choice_follows_the_data() -> None:
 
 def test_non_contiguous_and_channels_last_words_are_the_logical_elements() -> None:
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
-    assert torch.equal(codec.to_words(x, torch.int32), codec.to_words(x.contiguous(), torch.int32))
+    assert torch.equal(transform.to_words(x, torch.int32),
+                       transform.to_words(x.contiguous(), torch.int32))
     round_trip(x[:, 1:], None)
 
 
@@ -151,10 +153,11 @@ def test_a_close_call_between_sparse_and_dense_is_settled_by_coding_both() -> No
     nw, rw = new.view(torch.int16), ref.view(torch.int16)
     s = codec.Settings()
     where = torch.nonzero(nw != rw).reshape(-1)
-    full = {("sparse", "xor"): codec._compress(codec.residual(nw[where], rw[where], "xor", "float"),
-                                               s).stored + codec._positions(where, s).stored}
+    sparse = transform.residual(nw[where], rw[where], "xor", "float")
+    full = {("sparse", "xor"): codec._compress(sparse, s).stored
+            + codec._positions(where, s).stored}
     for how in ("xor", "sub"):
-        full[("dense", how)] = codec._compress(codec.residual(nw, rw, how, "float"), s).stored
+        full[("dense", how)] = codec._compress(transform.residual(nw, rw, how, "float"), s).stored
     dense = min(full[("dense", "xor")], full[("dense", "sub")])
     assert abs(full[("sparse", "xor")] - dense) < 0.1 * dense  # a close call
     enc = round_trip(new, ref, s)
@@ -223,8 +226,8 @@ def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, 
     # Words of any sign: a float's order-preserving image flips the negative ones.
     ref = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
     new = ref + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(word)
-    data = new if how == "key" else codec.residual(new, ref, how, kind)
-    sec = frames.compress(_bytes_of(codec.shuffle(data)), level=1, chunk=chunk)
+    data = new if how == "key" else transform.residual(new, ref, how, kind)
+    sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
     codec_name = "key" if how == "key" else "dense"
     streamed = codec.decode(codec_name, None if how == "key" else how,
                             {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
@@ -233,7 +236,7 @@ def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, 
     if how != "key":
         with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
             mp.setattr(frames, "SPREAD_BYTES", 1)
-            applied = codec.apply_streamed(ref.clone(), frames.Frames(list(sec.frames), sec.raw,
+            applied = transform.apply_streamed(ref.clone(), frames.Frames(list(sec.frames), sec.raw,
                                                                       sec.chunk), how, kind,
                                            threads=threads)
         assert torch.equal(applied, new)
@@ -254,9 +257,9 @@ def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: 
     with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
         mp.setattr(frames, "SPREAD_BYTES", 1)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
-        back = codec.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
+        back = transform.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
                                   threads=threads)
-    assert sec == frames.compress(_bytes_of(codec.shuffle(words)), level=1, chunk=chunk)
+    assert sec == frames.compress(_bytes_of(transform.shuffle(words)), level=1, chunk=chunk)
     assert torch.equal(back, words)
 
 

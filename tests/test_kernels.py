@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="needs Triton (tpde[dev] installs it on Linux x86_64)")
 
 from helpers import mixed_codec_chain  # noqa: E402
-from tpde import codec, elias  # noqa: E402
+from tpde import elias, transform  # noqa: E402
 from tpde.errors import FormatError  # noqa: E402
 from tpde.kernels import triton_kernels as tk  # noqa: E402
 
@@ -59,8 +59,8 @@ def word_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, str]:
 @given(word_pairs(), st.sampled_from(["xor", "sub"]))
 def test_dense_residual_kernel_matches_cpu(pair, how: str) -> None:
     new, ref, kind = pair
-    r = codec.residual(new, ref, how, kind)
-    expected = codec.apply_residual(ref, r, how, kind)
+    r = transform.residual(new, ref, how, kind)
+    expected = transform.apply_residual(ref, r, how, kind)
     got = tk.apply_residual_(ref.clone().to(DEVICE), r.to(DEVICE), how, kind)
     assert torch.equal(got.cpu(), expected) and torch.equal(expected, new)
 
@@ -79,8 +79,9 @@ def test_sparse_xor_kernel_matches_cpu(pair) -> None:
 def test_unshuffle_kernel_matches_cpu(dtype: torch.dtype, n: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     w = torch.randint(-100, 100, (n,), dtype=torch.int64, generator=g).to(dtype)
-    planes = codec.shuffle(w)
-    assert torch.equal(tk.unshuffle(planes.to(DEVICE), dtype).cpu(), codec.unshuffle(planes, dtype))
+    planes = transform.shuffle(w)
+    assert torch.equal(tk.unshuffle(planes.to(DEVICE), dtype).cpu(),
+                       transform.unshuffle(planes, dtype))
 
 
 @given(st.lists(st.integers(0, 2**40), max_size=700, unique=True), st.sampled_from([1, 7, 256]))

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpde
-from tpde import codec, frames
+from tpde import codec, frames, transform
 
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16),
           "float16": (torch.float16, torch.int16)}
@@ -83,7 +83,7 @@ def test_random_walks_hold_the_bound_at_every_step(seed: int, dtype: str, bound:
     fdt, wdt = DTYPES[dtype]
     ref = None
     for t, x in enumerate(walk(seed, n, 50, fdt, scale)):
-        words = codec.to_words(x, wdt)
+        words = transform.to_words(x, wdt)
         enc, got = roundtrip(words, ref, dtype, bound)
         assert holds(x, got.view(fdt), bound).all(), f"step {t}: {enc.codec} {enc.grid}"
         if enc.words is not None:  # the writer's next reference is what was decoded here
@@ -104,7 +104,7 @@ def test_error_bounded_codes_are_taken_and_smaller_than_exact() -> None:
     used = set()
     for _ in range(10):
         x = x + 1e-3 * torch.randn(x.shape, generator=g)
-        words = codec.to_words(x, torch.int32)
+        words = transform.to_words(x, torch.int32)
         exact += codec.encode(words, ref, "float").stored
         enc, ref = roundtrip(words, ref, "float32", bound)
         lossy += enc.stored

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import codec, dtypes, quant, tree
+from . import dtypes, quant, transform, tree
 from .errors import TPDEError
 from .manifest import Manifest
 
@@ -59,7 +59,7 @@ def distances(m: Manifest, restored: Any, dense: Any) -> list[Distance]:
             out.append(Distance(span.name, None, 0.0, 0.0, differing, differing == 0))
             continue
         word = known.word_dtype
-        xw, yw = codec.to_words(x, word), codec.to_words(y, word)
+        xw, yw = transform.to_words(x, word), transform.to_words(y, word)
         max_abs, max_rel = quant.errors(xw, yw, fdt)
         ok = differing == 0 or (b is not None and all(
             bool(quant.within(xw[i:i + quant.BLOCK], yw[i:i + quant.BLOCK], fdt, b).all())

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import codec, dtypes, frames, quant, tree
+from . import codec, dtypes, frames, quant, transform, tree
 from .heap import return_freed_memory
 from .chain import DEFAULT_KEYFRAME_EVERY, Chain, GcReport, Problem, Reference
 from .lease import DEFAULT_LEASE_SECONDS, Lease
@@ -68,7 +68,7 @@ def snapshot(state: Any, *, device: str | torch.device = "cpu") -> Snapshot:
     for span in flat.spans:
         src = span.tensor.detach()
         dt = dtypes.of_tensor(src, name=span.name)
-        words = codec.to_words(src, dt.word_dtype)
+        words = transform.to_words(src, dt.word_dtype)
         if words.device == target and target.type == "cpu":
             copy = words.clone()
         else:

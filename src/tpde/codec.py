@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import elias, frames, heap, quant
+from . import elias, frames, quant
+from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, residual,
+                        residual_kinds, shuffle, streamed_words, unshuffle)
 from .errors import FormatError
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
@@ -34,7 +36,6 @@ if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian
 
 CODECS = ("same", "sparse", "dense", "key", "quant")
 GRIDS = ("ulp", "abs")
-RESIDUALS = ("xor", "sub")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
 #: The sample: evenly spaced windows, together about 1/SAMPLE_FRACTION of the tensor, each
@@ -50,9 +51,6 @@ CLOSE_CALL, CLOSE_CALL_BYTES = 1.1, 4 << 20
 #: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
 #: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
 STREAM_APPLY_BYTES = 1 << 20
-#: Words a residual is computed or applied at a time: with torch (on a device) and with
-#: numpy (on the host; 256K words computed a 10M-word residual in 20 ms, 1M words in 25 ms).
-RESIDUAL_SLICE, HOST_SLICE = 1 << 20, 1 << 18
 
 
 @dataclass
@@ -94,218 +92,6 @@ class Encoding:
     @property
     def stored(self) -> int:
         return sum(s.stored for s in self.sections.values())
-
-
-# ---------------------------------------------------------------- words, shuffle, residuals
-def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
-    """The tensor's bits as a flat contiguous array of signed words (a copy only if needed)."""
-    return t.contiguous().reshape(-1).view(torch.uint8).view(word_dtype)
-
-
-def shuffle(words: torch.Tensor) -> torch.Tensor:
-    """Byte planes: all first bytes of the words, then all second bytes, and so on."""
-    width = words.element_size()
-    raw = words.view(torch.uint8)
-    if width == 1:
-        return raw
-    # One strided copy per plane: ~10x faster than a transposing .contiguous() on the CPU.
-    planes = torch.empty((width, words.numel()), dtype=torch.uint8, device=words.device)
-    by_word = raw.reshape(-1, width)
-    for k in range(width):
-        planes[k].copy_(by_word[:, k])
-    return planes.reshape(-1)
-
-
-def _planes_into(stream: frames.Framed, n: int, lo: int, out: np.ndarray) -> None:
-    """Words ``lo:lo + len(out)`` of a shuffled stream of ``n`` words into ``out`` (their
-    bytes, one row per word), decompressing only the frames that hold them."""
-    for k in range(out.shape[1]):
-        stream.read_into(k * n + lo, out[:, k])
-
-
-def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tensor:
-    """The words of a shuffled stream, read frame by frame: no copy of the planes beside them."""
-    width = torch.empty(0, dtype=word_dtype).element_size()
-    if len(stream) % width:
-        raise FormatError("byte planes do not hold a whole number of words")
-    n = len(stream) // width
-    words = torch.from_numpy(heap.outside_heap(n * width)).view(word_dtype)
-    if n:
-        _planes_into(stream, n, 0, words.view(torch.uint8).numpy().reshape(n, width))
-    return words
-
-
-def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
-                 threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The words of a shuffled stream, each frame decompressed straight into them on the frame
-    threads (``frames.unshuffle_into``): the restore path's keyframe values and small dense
-    residuals. ``out`` (host words of the right size) receives them instead of a new tensor."""
-    width = torch.empty(0, dtype=word_dtype).element_size()
-    if stream.raw % width:
-        raise FormatError("byte planes do not hold a whole number of words")
-    if not stream.raw:
-        return torch.empty(0, dtype=word_dtype)
-    if out is not None and out.numel() * out.element_size() == stream.raw \
-            and out.dtype == word_dtype:
-        words = out
-    else:
-        words = torch.empty(stream.raw // width, dtype=word_dtype)
-    frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
-                          threads=threads)
-    return words
-
-
-def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how: str,
-                   kind: str, threads: int | None = None) -> torch.Tensor:
-    """``apply_residual`` in place with the residual read from its frames a slice at a time:
-    beside ``ref`` a decode holds one slice and the few frames under it, per thread.
-
-    ``frames.Frames`` (held in memory) are shared out in runs of slices over ``threads`` frame
-    threads, each reading them through a ``frames.Framed`` of its own. That is how a restore
-    applies a dense delta: no residual as large as the tensor is allocated and filled first
-    (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
-    fp32 delta: ``benchmarks/README.md``).
-    """
-    n, width = ref.numel(), ref.element_size()
-    if stream.raw != n * width:
-        raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
-                          f"expected")
-    per = stream.chunk  # words per slice: each plane's part spans at most two frames
-
-    def work(mine: range) -> None:
-        framed = stream if isinstance(stream, frames.Framed) \
-            else frames.Framed(stream.frames, stream.raw, stream.chunk)
-        framed.keep = 2 * width + 2  # so that a frame straddling two slices is decompressed once
-        scratch = heap.outside_heap(2 * min(per, n) * width).reshape(2, -1, width)
-        # No allocation per slice: the residual's bytes and the temporaries reuse two buffers.
-        for lo in (i * per for i in mine):
-            m = min(per, n - lo)
-            _planes_into(framed, n, lo, scratch[0, :m])
-            r, tmp = (torch.from_numpy(b[:m]).view(ref.dtype).reshape(-1) for b in scratch)
-            apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
-
-    count = -(-n // per)
-    if isinstance(stream, frames.Framed):
-        work(range(count))  # its frames may be read from the store as they are asked for
-    else:
-        frames.spread(count, threads, work, n * width, runs=True)
-    return ref
-
-
-def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
-    """Host words from their byte planes (a device's are put together by ``tpde.kernels``):
-    little-endian words built from the top plane down, a shift and an OR per plane (per MiB
-    of bf16 99 us, of fp32 247 us, against 303 and 309 for a strided byte copy per plane)."""
-    width = torch.empty(0, dtype=word_dtype).element_size()
-    if planes.numel() % width:
-        raise FormatError("byte planes do not hold a whole number of words")
-    if width == 1:
-        return planes.view(word_dtype)
-    p = planes.reshape(width, -1).numpy()
-    out = np.empty(p.shape[1], dtype=f"<u{width}")
-    np.copyto(out, p[width - 1])
-    for k in range(width - 2, -1, -1):
-        np.left_shift(out, 8, out=out)
-        np.bitwise_or(out, p[k], out=out)
-    return torch.from_numpy(out.view(np.uint8)).view(word_dtype)
-
-
-def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-    """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
-
-    A ``sub`` residual is computed a slice at a time into its result, with one slice-sized
-    temporary: every pass runs in cache, and a large tensor costs its result and nothing else
-    (measured on 25M fp32 words: 53 ms, against 207 ms for whole-tensor passes on two copies).
-    Host words are worked on with numpy, as in ``apply_residual``: 20 ms for 10M fp32 words on
-    one core, against 28 ms for torch on two.
-    """
-    if how == "xor":
-        if new.device.type == "cpu":
-            return torch.from_numpy(np.bitwise_xor(new.numpy(), ref.numpy()))
-        return new ^ ref
-    bits, n = new.element_size() * 8, new.numel()
-    out = torch.empty(n, dtype=new.dtype, device=new.device)
-    if new.device.type == "cpu":
-        _residual_host(new.numpy(), ref.numpy(), kind, out.numpy())
-        return out
-    tmp = torch.empty(min(RESIDUAL_SLICE, n), dtype=new.dtype, device=new.device)
-    mask = (1 << (bits - 1)) - 1
-    for lo in range(0, n, RESIDUAL_SLICE):
-        hi = min(lo + RESIDUAL_SLICE, n)
-        d, t, a, b = out[lo:hi], tmp[: hi - lo], new[lo:hi], ref[lo:hi]
-        if kind == "float":  # the order-preserving images: x ^ ((x >> (bits - 1)) & mask)
-            torch.bitwise_right_shift(a, bits - 1, out=d).bitwise_and_(mask).bitwise_xor_(a)
-            torch.bitwise_right_shift(b, bits - 1, out=t).bitwise_and_(mask).bitwise_xor_(b)
-            d.sub_(t)
-        else:
-            torch.sub(a, b, out=d)
-        torch.bitwise_right_shift(d, bits - 1, out=t)
-        d.bitwise_left_shift_(1).bitwise_xor_(t)
-    return out
-
-
-def _residual_host(new: np.ndarray, ref: np.ndarray, kind: str, out: np.ndarray) -> None:
-    """``residual``'s ``sub`` on host words, ``HOST_SLICE`` words at a time."""
-    n = len(new)
-    tmp = np.empty(min(HOST_SLICE, n), dtype=new.dtype)
-    for lo in range(0, n, HOST_SLICE):
-        hi = min(lo + HOST_SLICE, n)
-        d, t, a, b = out[lo:hi], tmp[: hi - lo], new[lo:hi], ref[lo:hi]
-        if kind == "float":
-            _order_host(a, d, out=d)
-            _order_host(b, t, out=t)
-            np.subtract(d, t, out=d)
-        else:
-            np.subtract(a, b, out=d)
-        np.right_shift(d, new.itemsize * 8 - 1, out=t)
-        np.left_shift(d, 1, out=d)
-        np.bitwise_xor(d, t, out=d)
-
-
-def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
-                   inplace: bool = False, tmp: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse of ``residual``, on host words (a device's are rebuilt by ``tpde.kernels``).
-    With ``inplace`` both ``ref`` and ``r`` are overwritten; ``tmp`` (words shaped as ``r``) is
-    used for the temporaries instead of a new tensor.
-
-    numpy, not torch: a restore applies residuals on its frame threads, where torch's own
-    intra-op threads would oversubscribe the cores (a 200 MB delta step restored 15-20% faster
-    with numpy here than with torch).
-    """
-    if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
-        raise FormatError(f"unknown residual {how!r} for {kind} words")
-    out = ref if inplace else ref.clone()
-    words = out.numpy()
-    d = (r if inplace or how == "xor" else r.clone()).numpy()
-    if how == "xor":
-        np.bitwise_xor(words, d, out=words)
-        return out
-    t = (tmp if tmp is not None else torch.empty_like(r)).numpy()
-    unsigned = np.dtype(f"u{d.itemsize}")
-    np.bitwise_and(d, 1, out=t)
-    np.negative(t, out=t)
-    np.right_shift(d.view(unsigned), 1, out=d.view(unsigned))  # the zigzag undone
-    np.bitwise_xor(d, t, out=d)
-    if kind == "float":
-        _order_host(words, t)
-    np.add(words, d, out=words)  # wraps, as the residual's difference did
-    if kind == "float":
-        _order_host(words, t)
-    return out
-
-
-def _order_host(words: np.ndarray, tmp: np.ndarray, out: np.ndarray | None = None) -> None:
-    """The order-preserving integer image of float bits (an involution) into ``out``
-    (default: in place; ``tmp`` may be ``out``): the sign, spread by an arithmetic shift, then
-    shifted once logically, is the mask that the image XORs with."""
-    unsigned = np.dtype(f"u{words.itemsize}")
-    np.right_shift(words, words.itemsize * 8 - 1, out=tmp)
-    np.right_shift(tmp.view(unsigned), 1, out=tmp.view(unsigned))
-    np.bitwise_xor(words, tmp, out=words if out is None else out)
-
-
-def residual_kinds(kind: str) -> tuple[str, ...]:
-    return ("xor",) if kind == "raw" else RESIDUALS
 
 
 # ---------------------------------------------------------------- encoding

@@ -21,7 +21,7 @@ import torch
 import xxhash
 import zstandard
 
-from . import codec, dtypes, frames, quant
+from . import codec, dtypes, frames, quant, transform
 from .errors import FormatError
 
 #: The newest format this tpde reads: format 6 names record hashes by their function (XXH3-128,
@@ -433,7 +433,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
     except (RuntimeError, ValueError):
         raise FormatError(f"record names device {rec.device!r}, which is no device",
                           tensor=rec.name) from None
-    if rec.codec not in codec.CODECS or rec.residual not in (None, *codec.RESIDUALS):
+    if rec.codec not in codec.CODECS or rec.residual not in (None, *transform.RESIDUALS):
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
     if (rec.bound is not None or rec.error is not None) and b["format"] < BOUNDED_FORMAT:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)

@@ -166,8 +166,8 @@ def warn_lossy(run: str, step: int, records: Iterable[Record]) -> None:
                                    f"{said}"), stacklevel=3)
 
 
-#: Codecs whose values a memory-first decode streams (``codec.streamed_words``,
-#: ``codec.apply_streamed``); the others' values are small or needed whole.
+#: Codecs whose values a memory-first decode streams (``transform.streamed_words``,
+#: ``transform.apply_streamed``); the others' values are small or needed whole.
 _STREAMED = ("key", "dense")
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import codec, dtypes, frames, quant, tree
+from .. import codec, dtypes, frames, quant, transform, tree
 from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, format_for, record_hash
 from ..store import BlobWriter
@@ -128,7 +128,7 @@ class Writer(Reader):
                                           quant.Bound | None]:
             dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
             w = dt.words_per_element
-            words = codec.to_words(piece.span.tensor.detach(), dt.word_dtype)
+            words = transform.to_words(piece.span.tensor.detach(), dt.word_dtype)
             words = words[piece.lo * w : piece.hi * w]
             ref_words = spare = reference.words.pop(piece.name, None) if reference else None
             if piece.name in keyed:
