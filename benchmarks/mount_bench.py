@@ -75,19 +75,30 @@ def drift(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-class Probe:
-    """Observes, from outside the mount, the weight bytes a model holds at every module call."""
+class Probe(torch.overrides.TorchFunctionMode):
+    """Observes, from outside the mount, the weight bytes a model holds whenever a torch
+    function runs during its forward (the mount decodes inside each module's forward, so hooks
+    around the forward would see the weights before they are decoded or after they are gone)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
         self.model, self.peak = model, 0
-        for m in model.modules():
-            m.register_forward_pre_hook(self.look)
 
-    def look(self, *_: Any) -> None:
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for m in self.model.modules() for t in [*m._parameters.values(), *m._buffers.values()]
                 if t is not None and t.device.type != "meta"}
         self.peak = max(self.peak, sum(held.values()))
+        return func(*args, **(kwargs or {}))
+
+
+def peak_weights(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """The most weight bytes held during one forward (run apart from the timed ones, which the
+    probe would slow down)."""
+    probe = Probe(model)
+    with torch.no_grad(), probe:
+        model(**batch)
+    return probe.peak
 
 
 def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
@@ -145,22 +156,28 @@ def main() -> None:
         print(f"{'step':>4s} {'batch':>5s} {'setting':14s} {'latency':>10s} {'x dense':>8s} "
               f"{'peak weights':>13s} {'decoded MB/s':>13s}")
         for step in ((0,) if args.quick else (0, 2)):
+            dense = fresh(model.config).to(device)
+            loads = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                weights = tpde.load_state_dict(run, step, model=dense, map_location=device)
+                loads.append(time.perf_counter() - started)
+            dense.load_state_dict(weights)
+            restore = total / statistics.median(loads) / 1e6
+            print(f"step {step}: the restore path (tpde.load_state_dict) decodes {restore:.0f} MB/s")
+            results.setdefault("restore_mb_per_s", {})[step] = restore
             for b, batch in batches.items():
-                dense = fresh(model.config).to(device)
-                dense.load_state_dict(tpde.load_state_dict(run, step, model=dense))
-                probe = Probe(dense)
                 base = timed(dense, batch, repeats)
-                rows = [("dense", base, probe.peak, None)]
+                rows = [("dense", base, peak_weights(dense, batch), None)]
                 for label, budget in (("budget 0", 0), ("budget 1/3", total // 3),
                                       ("unlimited", None)):
                     mounted = tpde.mount(run, step, fresh(model.config), device=device,
                                          budget=budget)
-                    probe = Probe(mounted)
                     ms = timed(mounted, batch, repeats)
                     st = mounted.tpde_mount.stats
                     calls = repeats + 1
                     rate = st.decoded_bytes / calls / 1e6 / (ms / 1e3) if st.decodes > st.modules else None
-                    rows.append((label, ms, probe.peak, rate))
+                    rows.append((label, ms, peak_weights(mounted, batch), rate))
                     mounted.tpde_mount.close()
                 for label, ms, peak, rate in rows:
                     print(f"{step:4d} {b:5d} {label:14s} {ms:8.1f} ms {ms / base:7.2f}x "

@@ -48,6 +48,9 @@ MIN_WINDOW_WORDS, MAX_WINDOW_WORDS = 512, 8192
 #: 0.3-1.2 MB projections (larger tensors have larger samples; B's 47 MB embedding coded
 #: both ways slowed its save 10-20% for 5 kB).
 CLOSE_CALL, CLOSE_CALL_BYTES = 1.1, 4 << 20
+#: Host tensors up to this many words are sampled and compared with numpy, not torch, whose
+#: intra-op threads start on every call (``_changes``).
+NUMPY_WORDS = 1 << 20
 #: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
 #: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
 STREAM_APPLY_BYTES = 1 << 20
@@ -134,9 +137,10 @@ def _sample_starts(length: int) -> tuple[list[int], int] | None:
 
 def _windows(t: torch.Tensor, sample: tuple[list[int], int]) -> torch.Tensor:
     """The windows of ``t`` at the sample's starts, end to end: slices, not a gather by index
-    (the sampling of a mid-size tensor cost as much as its full encode that way)."""
+    (the sampling of a mid-size tensor cost as much as its full encode that way); numpy's
+    concatenate up to ``NUMPY_WORDS`` (5 us against torch's 18 for 16 windows)."""
     starts, size = sample
-    if t.is_cuda:
+    if t.is_cuda or t.numel() > NUMPY_WORDS:
         return torch.cat([t[a : a + size] for a in starts])
     host = t.numpy()
     return torch.from_numpy(np.concatenate([host[a : a + size] for a in starts]))
@@ -206,34 +210,47 @@ def _positions(at: torch.Tensor, s: Settings) -> frames.Section:
                            threads=s.threads)
 
 
+def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """How many words differ, and where, when at most half do (only then is a sparse coding
+    sized). The count tells an unchanged tensor too: torch.equal reads both in full as well,
+    and took as long as the mask and its count together (10M words: 3.7 ms against 3.7 ms).
+
+    Up to ``NUMPY_WORDS`` host words the mask is numpy's: torch's mask and count of a
+    1 MB tensor took 189 us against numpy's 34 on the encode threads (its intra-op threads,
+    started per call). Larger tensors keep torch's, whose threads pay there: numpy's on a
+    sharded save's 16 MiB pieces raised each rank's peak resident set from 74-132 MB to
+    137-275 MB, two pieces' full working sets overlapping.
+    """
+    n = new.numel()
+    if new.is_cuda or n > NUMPY_WORDS:
+        changed = new != ref
+        count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
+        if not 0 < count <= n // 2:
+            return count, None
+        # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
+        return count, torch.nonzero(changed).reshape(-1) if changed.is_cuda \
+            else torch.from_numpy(np.flatnonzero(changed.numpy()))
+    changed_np = np.not_equal(new.numpy(), ref.numpy())
+    count = int(np.count_nonzero(changed_np))
+    if not 0 < count <= n // 2:
+        return count, None
+    return count, torch.from_numpy(np.flatnonzero(changed_np))
+
+
 def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings
                   ) -> Encoding:
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
         return Encoding("key", sections={"values": _compress(new, s)})
     ref = ref.to(new.device, non_blocking=True)
-    # The count tells an unchanged tensor too: torch.equal reads both in full as well, and
-    # took as long as the mask and its count together (10M words: 3.7 ms against 3.7 ms).
-    # Host words with numpy, as everywhere on the encode threads: torch's mask and count of
-    # a 1 MB tensor took 189 us against numpy's 34 (its intra-op threads, started per call).
-    if new.is_cuda:
-        changed = new != ref
-        count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
-    else:
-        changed = torch.from_numpy(np.not_equal(new.numpy(), ref.numpy()))
-        count = int(np.count_nonzero(changed.numpy()))
+    count, positions = _changes(new, ref)
     if count == 0:
         return Encoding("same")
 
     n = new.numel()
     options: list[tuple[str, str | None]] = [("key", None)]
     options += [("dense", how) for how in residual_kinds(kind)]
-    positions = None
-    if count <= n // 2:
-        # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
-        positions = torch.nonzero(changed).reshape(-1) if changed.is_cuda \
-            else torch.from_numpy(np.flatnonzero(changed.numpy()))
+    if positions is not None:
         options.append(("sparse", "xor"))
-    del changed
 
     def build(option: tuple[str, str | None],
               sample: tuple[list[int], int] | None = None) -> torch.Tensor:
