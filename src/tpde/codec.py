@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from . import elias, frames, quant
+from .errors import FormatError
 from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, residual,
                         residual_kinds, shuffle, streamed_words, unshuffle)
-from .errors import FormatError
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")

@@ -46,7 +46,6 @@ def put_sections(writer: BlobWriter, sections: dict[str, frames.Section]
     return out
 
 
-
 def _copy(words: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     """Host words the caller may change after the save, copied into ``spare`` (the last
     reference's buffer: fresh pages cost about as much as the copy itself) where it fits.
@@ -59,6 +58,7 @@ def _copy(words: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     out = spare if fits else torch.empty_like(words)
     np.copyto(out.numpy(), words.numpy())
     return out
+
 
 class Writer(Reader):
     """Committing steps."""
@@ -142,9 +142,7 @@ class Writer(Reader):
             elif enc.codec == "same" and ref_words is not None and not ref_words.is_cuda:
                 host = ref_words  # the reference's own words: an unchanged tensor is not copied
             elif words.is_cuda or (keep_reference and not owned):
-                # Into the last reference's buffer, done with once this piece is coded: fresh
-                # pages cost about as much as the copy itself.
-                host = _copy(words, spare)
+                host = _copy(words, spare)  # the last reference's buffer is done with now
             else:
                 host = words
             # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
