@@ -138,3 +138,20 @@ def test_a_position_past_the_tensor_is_refused(use_native: bool) -> None:
     assert elias.decode(stream, limit=6, use_native=use_native).tolist() == [2, 5]
     with pytest.raises(FormatError, match="past the end of a tensor of 5"):
         elias.decode(stream, limit=5, use_native=use_native)
+
+
+@given(st.data())
+def test_the_c_and_numpy_decoders_refuse_the_same_damage(data: st.DataObject) -> None:
+    p = np.array(sorted(data.draw(st.sets(st.integers(0, 10**9), min_size=1, max_size=300))))
+    stream = bytearray(elias.encode(p, block=data.draw(st.integers(1, 40))))
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(0, len(stream) - 1))
+        stream[i] ^= 1 << data.draw(st.integers(0, 7))
+    got = []
+    for use_native in (True, False):
+        try:
+            got.append(elias.decode(bytes(stream), limit=10**9 + 1,
+                                    use_native=use_native).tolist())
+        except FormatError:
+            got.append("refused")
+    assert got[0] == got[1]
