@@ -146,6 +146,11 @@ def _windows(t: torch.Tensor, sample: tuple[list[int], int]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([host[a : a + size] for a in starts]))
 
 
+def _gather(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``t[at]``; on the host with ``np.take``, in half the time of torch's indexing."""
+    return t[at] if t.is_cuda else torch.from_numpy(np.take(t.numpy(), at.numpy()))
+
+
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
            settings: Settings | None = None, *, bound: quant.Bound | None = None,
            dtype: str | None = None) -> Encoding:
@@ -259,10 +264,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         name, how = option
         if name == "sparse":
             at = positions if sample is None else _windows(positions, sample)
-            if at.is_cuda:
-                return residual(new[at], ref[at], "xor", kind)
-            i = at.numpy()  # np.take: half the time of torch's indexing
-            return torch.from_numpy(np.take(new.numpy(), i) ^ np.take(ref.numpy(), i))
+            return residual(_gather(new, at), _gather(ref, at), "xor", kind)
         a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
 
