@@ -223,8 +223,8 @@ def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | 
     Up to ``NUMPY_WORDS`` host words the mask is numpy's: torch's mask and count of a
     1 MB tensor took 189 us against numpy's 34 on the encode threads (its intra-op threads,
     started per call). Larger tensors keep torch's, whose threads pay there: numpy's on a
-    sharded save's 16 MiB pieces raised each rank's peak resident set from 74-132 MB to
-    137-275 MB, two pieces' full working sets overlapping.
+    sharded save's 16 MiB pieces raised each rank's peak resident set from 74-120 MB to
+    137-275 MB (why numpy's allocations there cost more was not pinned down).
     """
     n = new.numel()
     if new.is_cuda or n > NUMPY_WORDS:
