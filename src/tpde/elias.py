@@ -282,8 +282,18 @@ def decode_many(streams: list[bytes | memoryview], limits: list[int | None], *,
     block*, vectorised over every block of every stream: a step's sparse tensors cost one
     pass, not one pass each)."""
     parsed = [_parse(s, lim) for s, lim in zip(streams, limits)]
-    if native is not None and use_native:
-        return [_decode_native(p, lim) for p, lim in zip(parsed, limits)]
+    out = [_decode_native(p) for p in parsed] if native is not None and use_native \
+        else _decode_lockstep(parsed)
+    for p, limit in zip(out, limits):
+        if limit is not None and p.size and p[-1] >= limit:
+            raise FormatError(f"position stream points past the end of a tensor of {limit} "
+                              "elements")
+    return out
+
+
+def _decode_lockstep(parsed: list[tuple[int, int, int, np.ndarray, memoryview]]
+                     ) -> list[np.ndarray]:
+    """``decode_many`` with numpy, every block of every stream in lockstep."""
     live = [i for i, p in enumerate(parsed) if p[0]]
     out = [np.zeros(0, dtype=np.int64) for _ in parsed]
     if not live:
@@ -353,14 +363,11 @@ def decode_many(streams: list[bytes | memoryview], limits: list[int | None], *,
         heads = np.arange(1, rows.sum()) * block - 1
         if (p < 0).any() or (p[1:] <= p[:-1]).any() or (bases[rows][1:] != p[heads] + 1).any():
             raise FormatError("position stream decodes to positions that are not increasing")
-        if limits[i] is not None and p[-1] >= limits[i]:
-            raise FormatError(f"position stream points past the end of a tensor of {limits[i]} elements")
         out[i] = p
     return out
 
 
-def _decode_native(parsed: tuple[int, int, int, np.ndarray, memoryview], limit: int | None
-                   ) -> np.ndarray:
+def _decode_native(parsed: tuple[int, int, int, np.ndarray, memoryview]) -> np.ndarray:
     count, block, nbits, sync, codes = parsed
     out = np.empty(count, dtype=np.int64)
     if count:
@@ -368,6 +375,4 @@ def _decode_native(parsed: tuple[int, int, int, np.ndarray, memoryview], limit: 
             native.decode(codes, nbits, sync, count, block, out)
         except ValueError as exc:
             raise FormatError(str(exc)) from None
-        if limit is not None and out[-1] >= limit:
-            raise FormatError(f"position stream points past the end of a tensor of {limit} elements")
     return out
