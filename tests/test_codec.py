@@ -211,41 +211,55 @@ def _bytes_of(planes: torch.Tensor) -> memoryview:
     return memoryview(planes.cpu().numpy()).cast("B")
 
 
+PLANES = pytest.mark.parametrize("c", [True, False], ids=["c-planes", "numpy-planes"])
+
+
+def planes_path(mp: pytest.MonkeyPatch, c: bool) -> None:
+    """Byte planes and residuals through ``tpde._planes`` or, without it, numpy."""
+    if not c:
+        mp.setattr(frames, "native", None)
+
+
+@PLANES
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), how=st.sampled_from(["key", "xor", "sub"]),
        kind=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**31),
        threads=st.sampled_from([1, 2, 3]))
-def test_streamed_sections_decode_as_whole_ones(n: int, width: int, chunk: int, how: str,
-                                                kind: str, seed: int, threads: int) -> None:
+def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chunk: int,
+                                                how: str, kind: str, seed: int,
+                                                threads: int) -> None:
     """A section read frame by frame as the decode reaches it (a mount at budget 0), or held
     whole and applied in runs of slices on the frame threads (a restore), rebuilds the same
     words as the whole decompressed section, with chunks that tile the byte planes and chunks
     that straddle them, one slice of words or many."""
-    word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-    g = torch.Generator().manual_seed(seed)
-    # Words of any sign: a float's order-preserving image flips the negative ones.
-    ref = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
-    new = ref + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(word)
-    data = new if how == "key" else transform.residual(new, ref, how, kind)
-    sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
-    codec_name = "key" if how == "key" else "dense"
-    streamed = codec.decode(codec_name, None if how == "key" else how,
-                            {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
-                            None if how == "key" else ref.clone(), n, word, kind)
-    assert torch.equal(streamed, new)
-    if how != "key":
-        with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
-            mp.setattr(frames, "SPREAD_BYTES", 1)
-            applied = transform.apply_streamed(ref.clone(), frames.Frames(list(sec.frames), sec.raw,
-                                                                      sec.chunk), how, kind,
-                                           threads=threads)
-        assert torch.equal(applied, new)
+    with pytest.MonkeyPatch.context() as outer:
+        planes_path(outer, c)
+        word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+        g = torch.Generator().manual_seed(seed)
+        # Words of any sign: a float's order-preserving image flips the negative ones.
+        ref = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
+        new = ref + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(word)
+        data = new if how == "key" else transform.residual(new, ref, how, kind)
+        sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
+        codec_name = "key" if how == "key" else "dense"
+        streamed = codec.decode(codec_name, None if how == "key" else how,
+                                {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
+                                None if how == "key" else ref.clone(), n, word, kind)
+        assert torch.equal(streamed, new)
+        if how != "key":
+            with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
+                mp.setattr(frames, "SPREAD_BYTES", 1)
+                applied = transform.apply_streamed(
+                    ref.clone(), frames.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
+                    threads=threads)
+            assert torch.equal(applied, new)
 
 
+@PLANES
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), threads=st.sampled_from([1, 2, 3]),
        seed=st.integers(0, 2**31))
-def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: int,
+def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int, chunk: int,
                                                      threads: int, seed: int) -> None:
     """Compressing frames gathered from the words makes the frames of the shuffled stream, and
     decompressing them into the words rebuilds the words, with chunks that tile the byte
@@ -256,6 +270,7 @@ def test_frames_go_straight_between_words_and_planes(n: int, width: int, chunk: 
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
         mp.setattr(frames, "SPREAD_BYTES", 1)
+        planes_path(mp, c)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
         back = transform.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
                                   threads=threads)

@@ -41,22 +41,17 @@ def shuffle(words: torch.Tensor) -> torch.Tensor:
     return planes.reshape(-1)
 
 
-def _planes_into(stream: frames.Framed, n: int, lo: int, out: np.ndarray) -> None:
-    """Words ``lo:lo + len(out)`` of a shuffled stream of ``n`` words into ``out`` (their
-    bytes, one row per word), decompressing only the frames that hold them."""
-    for k in range(out.shape[1]):
-        stream.read_into(k * n + lo, out[:, k])
-
-
 def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tensor:
-    """The words of a shuffled stream, read frame by frame: no copy of the planes beside them."""
+    """The words of a shuffled stream, read a slice at a time: no copy of the planes beside
+    them, and each slice's words joined in cache from its part of every plane."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if len(stream) % width:
         raise FormatError("byte planes do not hold a whole number of words")
     n = len(stream) // width
     words = torch.from_numpy(heap.outside_heap(n * width)).view(word_dtype)
-    if n:
-        _planes_into(stream, n, 0, words.view(torch.uint8).numpy().reshape(n, width))
+    rows = words.view(torch.uint8).numpy().reshape(n, width)
+    for lo in range(0, n, stream.chunk):
+        stream.words_into(n, lo, rows[lo : lo + stream.chunk])
     return words
 
 
@@ -89,24 +84,38 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     threads, each reading them through a ``frames.Framed`` of its own. That is how a restore
     applies a dense delta: no residual as large as the tensor is allocated and filled first
     (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
-    fp32 delta: ``benchmarks/README.md``).
+    fp32 delta: ``benchmarks/README.md``). With ``tpde._planes`` a slice's residual words are
+    joined from their planes and applied in the same pass: a step 15 dense deltas deep
+    restored in 0.69 s instead of 0.92.
     """
     n, width = ref.numel(), ref.element_size()
     if stream.raw != n * width:
         raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
                           f"expected")
+    mode = _mode(how, kind)
+    rows = ref.view(torch.uint8).numpy().reshape(n, width)
+    fused = frames.native_words(rows)
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
+    # Memory first (a mount at budget 0): buffers mapped for the call alone; a restore's come
+    # from the heap, where the next tensor's decode finds them already faulted in.
+    buffer = heap.outside_heap if isinstance(stream, frames.Framed) else frames.heap_buffer
 
     def work(mine: range) -> None:
         framed = stream if isinstance(stream, frames.Framed) \
-            else frames.Framed(stream.frames, stream.raw, stream.chunk)
-        framed.keep = 2 * width + 2  # so that a frame straddling two slices is decompressed once
-        scratch = heap.outside_heap(2 * min(per, n) * width).reshape(2, -1, width)
-        # No allocation per slice: the residual's bytes and the temporaries reuse two buffers.
+            else frames.Framed(stream.frames, stream.raw, stream.chunk, buffer=buffer)
+        # Without _planes, no allocation per slice: the residual's planes, its words and the
+        # temporaries reuse three buffers.
+        scratch = None if fused else buffer(3 * min(per, n) * width)
         for lo in (i * per for i in mine):
             m = min(per, n - lo)
-            _planes_into(framed, n, lo, scratch[0, :m])
-            r, tmp = (torch.from_numpy(b[:m]).view(ref.dtype).reshape(-1) for b in scratch)
+            if fused:  # joined from the frames and applied in one pass, in cache
+                framed.join_into(n, lo, rows[lo : lo + m], mode)
+                continue
+            planes = scratch[: m * width].reshape(width, m)
+            framed.planes_into(n, lo, planes)
+            r, tmp = (torch.from_numpy(scratch[b * m * width : (b + 1) * m * width])
+                      .view(ref.dtype) for b in (1, 2))
+            frames.join(planes, r.view(torch.uint8).numpy().reshape(m, width))
             apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
 
     count = -(-n // per)
@@ -138,11 +147,11 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
     """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
 
-    A ``sub`` residual is computed a slice at a time into its result, with one slice-sized
-    temporary: every pass runs in cache, and a large tensor costs its result and nothing else
-    (measured on 25M fp32 words: 53 ms, against 207 ms for whole-tensor passes on two copies).
-    Host words are worked on with numpy, as in ``apply_residual``: 20 ms for 10M fp32 words on
-    one core, against 28 ms for torch on two.
+    Host words are worked on in one pass by ``tpde._planes`` where it is built. Without it,
+    with numpy, as in ``apply_residual`` (20 ms for 10M fp32 words on one core, against 28 ms
+    for torch on two), a ``sub`` residual is computed a slice at a time into its result, with
+    one slice-sized temporary: every pass runs in cache, and a large tensor costs its result
+    and nothing else (25M fp32 words: 53 ms, against 207 ms for whole-tensor passes).
     """
     if how == "xor":
         if new.device.type == "cpu":
@@ -151,7 +160,11 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     bits, n = new.element_size() * 8, new.numel()
     out = torch.empty(n, dtype=new.dtype, device=new.device)
     if new.device.type == "cpu":
-        _residual_host(new.numpy(), ref.numpy(), kind, out.numpy())
+        rows = [t.numpy().view(np.uint8).reshape(n, t.element_size()) for t in (new, ref, out)]
+        if all(frames.native_words(x) for x in rows):  # one pass in C, without the GIL
+            frames.native.diff(*rows[:2], rows[0].shape[1], rows[2], _mode(how, kind))
+        else:
+            _residual_host(new.numpy(), ref.numpy(), kind, out.numpy())
         return out
     tmp = torch.empty(min(RESIDUAL_SLICE, n), dtype=new.dtype, device=new.device)
     mask = (1 << (bits - 1)) - 1
@@ -193,14 +206,19 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     With ``inplace`` both ``ref`` and ``r`` are overwritten; ``tmp`` (words shaped as ``r``) is
     used for the temporaries instead of a new tensor.
 
-    numpy, not torch: a restore applies residuals on its frame threads, where torch's own
-    intra-op threads would oversubscribe the cores (a 200 MB delta step restored 15-20% faster
-    with numpy here than with torch).
+    In one pass by ``tpde._planes`` where it is built, otherwise with numpy; not torch: a
+    restore applies residuals on its frame threads, where torch's own intra-op threads would
+    oversubscribe the cores (a 200 MB delta step restored 15-20% faster with numpy here than
+    with torch).
     """
-    if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
-        raise FormatError(f"unknown residual {how!r} for {kind} words")
+    mode = _mode(how, kind)
     out = ref if inplace else ref.clone()
     words = out.numpy()
+    rows = words.view(np.uint8).reshape(len(words), words.itemsize)
+    if r.is_contiguous() and r.numel() == len(words) and frames.native_words(rows) \
+            and frames.native_words(r.numpy().view(np.uint8).reshape(rows.shape)):
+        frames.native.apply(r.numpy(), rows.shape[1], rows, mode)  # one pass, without the GIL
+        return out
     d = (r if inplace or how == "xor" else r.clone()).numpy()
     if how == "xor":
         np.bitwise_xor(words, d, out=words)
@@ -217,6 +235,13 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     if kind == "float":
         _order_host(words, t)
     return out
+
+
+def _mode(how: str, kind: str) -> int:
+    """A residual as ``_planes`` names it (``_planes.c``: 1 XOR, 2 and 3 differences)."""
+    if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
+        raise FormatError(f"unknown residual {how!r} for {kind} words")
+    return 1 if how == "xor" else 2 if kind == "float" else 3
 
 
 def _order_host(words: np.ndarray, tmp: np.ndarray, out: np.ndarray | None = None) -> None:

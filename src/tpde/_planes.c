@@ -1,0 +1,260 @@
+/* Byte planes and residuals of tpde.frames and tpde.transform, in C.
+ *
+ * A stream of byte planes holds byte k of every word in plane k, and a delta's words are a
+ * residual against the reference's (docs/format.md, "Values"). numpy does each step as its
+ * own pass: a strided byte copy per plane, and up to ten passes for a difference of floats'
+ * order-preserving images. Here each is one loop over whole words, which compilers turn into
+ * vector code, and the GIL is released for it, so the frame threads work side by side:
+ *
+ *   take(rows, width, k, first, out)   byte k of words first.. of rows into out (a save's frame)
+ *   join(parts, width, rows, mode)     words from their parts of all planes at once (a restore's
+ *                                      slice, straight from the decompressed frames), stored, or
+ *                                      applied as a residual to the words in rows
+ *   diff(new, ref, width, out, mode)   the residual of new against ref
+ *   apply(residual, width, rows, mode) a residual's words applied to rows
+ *
+ * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
+ * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
+ * calls them, and numpy's path takes the others). Modes: 0 store, 1 XOR, 2 the zigzagged
+ * difference of the order-preserving integer images of floats, 3 that of integers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define WORDS_ARE_LITTLE 1
+#else
+#define WORDS_ARE_LITTLE 0
+#endif
+
+enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3 };
+
+#define WORDS(T, S, W)                                                                      \
+    static void take_##W(const unsigned char *rows, int k, Py_ssize_t m, unsigned char *out) { \
+        const T *w = (const T *)rows;                                                       \
+        const int s = 8 * k;                                                                \
+        for (Py_ssize_t j = 0; j < m; j++) out[j] = (unsigned char)(w[j] >> s);             \
+    }                                                                                       \
+    static inline T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }  \
+    static inline T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); }    \
+    static inline T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); }             \
+    static inline T applied_##W(T w, T r, int mode) {                                       \
+        switch (mode) {                                                                     \
+        case STORE: return r;                                                               \
+        case XOR: return w ^ r;                                                             \
+        case SUB_FLOAT: return order_##W((T)(order_##W(w) + unzig_##W(r)));                 \
+        default: return (T)(w + unzig_##W(r));                                              \
+        }                                                                                   \
+    }                                                                                       \
+    /* Each word is built in a register from its planes and stored whole: a slice of words \
+     * is written in one pass (a plane at a time, every store would read and write back the \
+     * words' cache lines once per plane), and a residual is applied in the same pass. One \
+     * loop per mode (the mode is a constant in each), so that it is not tested per word. */ \
+    static inline T joined_##W(const unsigned char *const *planes, Py_ssize_t m,            \
+                               Py_ssize_t j) {                                              \
+        T v = 0;                                                                            \
+        for (int k = W - 1; k >= 0; k--) v = (T)((v << 8) | planes[k][j]);                  \
+        return v;                                                                           \
+    }                                                                                       \
+    static void join_##W(const unsigned char *const *planes, Py_ssize_t m, unsigned char *rows, \
+                         int mode) {                                                        \
+        T *w = (T *)rows;                                                                   \
+        Py_ssize_t j;                                                                       \
+        switch (mode) {                                                                     \
+        case STORE: for (j = 0; j < m; j++) w[j] = joined_##W(planes, m, j); break;         \
+        case XOR: for (j = 0; j < m; j++) w[j] ^= joined_##W(planes, m, j); break;          \
+        case SUB_FLOAT:                                                                     \
+            for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_FLOAT); \
+            break;                                                                          \
+        default:                                                                            \
+            for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_INT); \
+        }                                                                                   \
+    }                                                                                       \
+    static void apply_##W(const unsigned char *residual, Py_ssize_t m, unsigned char *rows, \
+                          int mode) {                                                       \
+        T *w = (T *)rows;                                                                   \
+        const T *r = (const T *)residual;                                                   \
+        Py_ssize_t j;                                                                       \
+        switch (mode) {                                                                     \
+        case XOR: for (j = 0; j < m; j++) w[j] ^= r[j]; break;                              \
+        case SUB_FLOAT: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_FLOAT); break; \
+        default: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_INT);           \
+        }                                                                                   \
+    }                                                                                       \
+    static void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
+                         unsigned char *out, int mode) {                                    \
+        const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
+        T *o = (T *)out;                                                                    \
+        Py_ssize_t j;                                                                       \
+        if (mode == XOR)                                                                    \
+            for (j = 0; j < m; j++) o[j] = a[j] ^ b[j];                                     \
+        else if (mode == SUB_FLOAT)                                                         \
+            for (j = 0; j < m; j++) o[j] = zig_##W((T)(order_##W(a[j]) - order_##W(b[j]))); \
+        else                                                                                \
+            for (j = 0; j < m; j++) o[j] = zig_##W((T)(a[j] - b[j]));                       \
+    }
+WORDS(uint8_t, int8_t, 1)
+WORDS(uint16_t, int16_t, 2)
+WORDS(uint32_t, int32_t, 4)
+WORDS(uint64_t, int64_t, 8)
+
+#define BY_WIDTH(width, call)                                                               \
+    switch (width) {                                                                        \
+    case 1: call(1); break;                                                                 \
+    case 2: call(2); break;                                                                 \
+    case 4: call(4); break;                                                                 \
+    default: call(8);                                                                       \
+    }
+
+static int words_fit(const void *p, int width) {
+    return width == 1 || (WORDS_ARE_LITTLE && (width == 2 || width == 4 || width == 8) &&
+                          (uintptr_t)p % (uintptr_t)width == 0);
+}
+
+static int fail(const char *why) {
+    PyErr_SetString(PyExc_ValueError, why);
+    return -1;
+}
+
+/* Words of `width` bytes in `b`, as many bytes in `a`, a mode in range. */
+static int check_words(Py_buffer *a, Py_buffer *b, int width, int mode, int lowest) {
+    if (mode < lowest || mode > SUB_INT) return fail("no such residual");
+    if (a->len != b->len || b->len % (width > 0 ? width : 1)) return fail("words differ in size");
+    if (!words_fit(b->buf, width) || !words_fit(a->buf, width))
+        return fail("words not aligned to a width of 1, 2, 4 or 8 bytes on a little-endian host");
+    return 0;
+}
+
+static PyObject *take(PyObject *self, PyObject *args) {
+    Py_buffer rows, out;
+    int width, k;
+    Py_ssize_t first;
+    if (!PyArg_ParseTuple(args, "y*iinw*", &rows, &width, &k, &first, &out)) return NULL;
+    int bad = 0;
+    if (width < 1 || k < 0 || k >= width) bad = fail("plane out of range of the word width");
+    else if (rows.len % width || first < 0 || first > rows.len / width ||
+             out.len > rows.len / width - first)
+        bad = fail("plane bytes out of range of the words");
+    if (!bad) {
+        const unsigned char *r = (const unsigned char *)rows.buf + first * width;
+        unsigned char *o = (unsigned char *)out.buf;
+        Py_ssize_t m = out.len;
+        Py_BEGIN_ALLOW_THREADS
+        if (words_fit(r, width)) {
+#define TAKE(W) take_##W(r, k, m, o)
+            BY_WIDTH(width, TAKE)
+        } else {  /* a byte loop: unaligned words, or another width */
+            for (Py_ssize_t j = 0; j < m; j++) o[j] = r[j * width + k];
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *join(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    Py_buffer rows, parts[8];
+    const unsigned char *p[8];
+    int width, mode, got = 0, bad = 0;
+    if (!PyArg_ParseTuple(args, "Oiw*i", &seq, &width, &rows, &mode)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "parts must be a sequence of byte buffers");
+    if (fast == NULL) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    Py_ssize_t m = 0;
+    if (mode < STORE || mode > SUB_INT) bad = fail("no such residual");
+    else if (!words_fit(rows.buf, width))
+        bad = fail("words not aligned to a width of 1, 2, 4 or 8 bytes on a little-endian host");
+    else if (PySequence_Fast_GET_SIZE(fast) != width || rows.len % width)
+        bad = fail("one part of each plane is needed");
+    else
+        m = rows.len / width;
+    for (; !bad && got < width; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, got), &parts[got],
+                               PyBUF_SIMPLE) < 0) {
+            bad = -1;
+            break;
+        }
+        p[got] = (const unsigned char *)parts[got].buf;
+        if (parts[got].len != m) bad = fail("a plane's part differs in size from the words");
+    }
+    if (!bad) {
+        unsigned char *r = (unsigned char *)rows.buf;
+        Py_BEGIN_ALLOW_THREADS
+#define JOIN(W) join_##W(p, m, r, mode)
+        BY_WIDTH(width, JOIN)
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < got; k++) PyBuffer_Release(&parts[k]);
+    Py_DECREF(fast);
+    PyBuffer_Release(&rows);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *apply(PyObject *self, PyObject *args) {
+    Py_buffer residual, rows;
+    int width, mode;
+    if (!PyArg_ParseTuple(args, "y*iw*i", &residual, &width, &rows, &mode)) return NULL;
+    int bad = check_words(&residual, &rows, width, mode, XOR);
+    if (!bad) {
+        const unsigned char *p = (const unsigned char *)residual.buf;
+        unsigned char *r = (unsigned char *)rows.buf;
+        Py_ssize_t m = rows.len / width;
+        Py_BEGIN_ALLOW_THREADS
+#define APPLY(W) apply_##W(p, m, r, mode)
+        BY_WIDTH(width, APPLY)
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&residual);
+    PyBuffer_Release(&rows);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *diff(PyObject *self, PyObject *args) {
+    Py_buffer a, b, out;
+    int width, mode;
+    if (!PyArg_ParseTuple(args, "y*y*iw*i", &a, &b, &width, &out, &mode)) return NULL;
+    int bad = check_words(&a, &out, width, mode, XOR) || check_words(&b, &out, width, mode, XOR);
+    if (!bad) {
+        const unsigned char *pa = (const unsigned char *)a.buf;
+        const unsigned char *pb = (const unsigned char *)b.buf;
+        unsigned char *o = (unsigned char *)out.buf;
+        Py_ssize_t m = out.len / width;
+        Py_BEGIN_ALLOW_THREADS
+#define DIFF(W) diff_##W(pa, pb, m, o, mode)
+        BY_WIDTH(width, DIFF)
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"take", take, METH_VARARGS,
+     "take(rows, width, k, first, out): byte k of words first.. of rows into out."},
+    {"join", join, METH_VARARGS,
+     "join(parts, width, rows, mode): words from a part of each of their byte planes (byte k "
+     "of word j is parts[k][j]), stored (mode 0) or applied to rows as a residual (modes 1-3)."},
+    {"diff", diff, METH_VARARGS,
+     "diff(new, ref, width, out, mode): the residual (modes 1-3) of new against ref."},
+    {"apply", apply, METH_VARARGS,
+     "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_planes",
+                                    "Byte planes and residuals in C (see tpde.frames).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__planes(void) { return PyModule_Create(&module); }

@@ -1,0 +1,96 @@
+"""The byte-plane and residual loops in C (``tpde._planes``) against numpy's, which stays the
+path wherever the extension is not built or the words do not suit it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tpde import FormatError, frames, transform
+
+WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+PATHS = pytest.mark.parametrize("c", [True, False], ids=["c", "numpy"])
+
+
+def test_the_c_planes_are_built() -> None:
+    # Built by `pip install -e .` wherever a C compiler is found; without it every test here
+    # would silently run numpy twice.
+    assert frames.native is not None, "tpde._planes was not built: install a C compiler, reinstall"
+
+
+def words_of(width: int, n: int, seed: int, spread: int = 100) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-spread, spread, (n,), generator=g, dtype=torch.int64).to(WORDS[width])
+
+
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 5000), seed=st.integers(0, 2**31),
+       how=st.sampled_from([("xor", "raw"), ("xor", "float"), ("sub", "float"), ("sub", "int")]),
+       spread=st.sampled_from([3, 100, 2**62]))
+def test_residuals_in_c_are_numpy_s_and_invert(width: int, n: int, seed: int,
+                                               how: tuple[str, str], spread: int) -> None:
+    """Of words of any sign and any size of difference, with wrap-around."""
+    ref, new = words_of(width, n, seed, spread), words_of(width, n, seed + 1, spread)
+    r = transform.residual(new, ref, *how)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frames, "native", None)
+        expected = transform.residual(new, ref, *how)
+        by_numpy = transform.apply_residual(ref, expected, *how)
+    assert torch.equal(r, expected)
+    assert torch.equal(transform.apply_residual(ref, r, *how), new)
+    assert torch.equal(by_numpy, new)
+
+
+@PATHS
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
+       data=st.data())
+def test_plane_gathers_and_scatters(c: bool, width: int, n: int, seed: int, data) -> None:
+    rows = np.random.default_rng(seed).integers(0, 256, size=(n, width), dtype=np.uint8)
+    k = data.draw(st.integers(0, width - 1))
+    first = data.draw(st.integers(0, n - 1))
+    m = data.draw(st.integers(0, n - first))
+    with pytest.MonkeyPatch.context() as mp:
+        if not c:
+            mp.setattr(frames, "native", None)
+        out = np.empty(m, dtype=np.uint8)
+        frames.take(rows, k, first, out)
+        assert np.array_equal(out, rows[first : first + m, k])
+        planes = np.ascontiguousarray(rows.T)
+        back = np.empty_like(rows)
+        frames.join(planes, back)
+        assert np.array_equal(back, rows)
+        # Words that do not start at a multiple of their width take numpy's path.
+        odd = np.empty(n * width + 1, dtype=np.uint8)[1:].reshape(n, width)
+        frames.join(planes, odd)
+        assert np.array_equal(odd, rows)
+
+
+def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
+    rows = np.zeros((10, 4), dtype=np.uint8)
+    with pytest.raises(ValueError):
+        frames.native.take(rows, 4, 0, 8, np.empty(3, dtype=np.uint8))  # words 8..10 of 10
+    with pytest.raises(ValueError):
+        frames.native.take(rows, 4, 4, 0, np.empty(3, dtype=np.uint8))  # no fifth plane
+    with pytest.raises(ValueError):
+        frames.native.join([bytes(10)] * 3, 4, rows, 0)  # a plane's part missing
+    with pytest.raises(ValueError):
+        frames.native.join([bytes(10)] * 3 + [bytes(9)], 4, rows, 0)  # one byte short
+    with pytest.raises(ValueError):
+        frames.native.apply(np.zeros(40, dtype=np.uint8), 4, rows, 0)  # no residual to apply
+    with pytest.raises(ValueError):
+        frames.native.diff(np.zeros(40, dtype=np.uint8), rows, 4, rows, 7)  # no such residual
+    with pytest.raises(ValueError):
+        frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
+
+
+@PATHS
+def test_an_unknown_residual_is_a_format_error(c: bool, monkeypatch) -> None:
+    if not c:
+        monkeypatch.setattr(frames, "native", None)
+    ref = words_of(4, 10, 0)
+    with pytest.raises(FormatError):
+        transform.apply_residual(ref, ref, "sub", "raw")
+    with pytest.raises(FormatError):
+        transform.apply_residual(ref, ref, "add", "int")
