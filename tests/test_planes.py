@@ -43,6 +43,25 @@ def test_residuals_in_c_are_numpy_s_and_invert(width: int, n: int, seed: int,
     assert torch.equal(by_numpy, new)
 
 
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 70_000), seed=st.integers(0, 2**31),
+       density=st.sampled_from([0.0, 0.001, 0.3, 1.0]))
+def test_changed_words_are_numpy_s(width: int, n: int, seed: int, density: float) -> None:
+    """Counted in blocks of the counter's largest value (255 words for bytes), and found."""
+    rng = np.random.default_rng(seed)
+    ref = words_of(width, n, seed).numpy()
+    new = ref.copy()
+    at = np.flatnonzero(rng.random(n) < density)
+    new[at] += 1
+    rows = [w.view(np.uint8).reshape(n, width) for w in (new, ref)]
+    assert frames.native.changed(*rows, width) == len(at)
+    out = np.empty(len(at) + 1, dtype=np.int64)
+    assert frames.native.changed(*rows, width, out) == len(at)
+    assert np.array_equal(out[: len(at)], at)
+    if len(at):
+        with pytest.raises(ValueError):  # no room for the last one: refused, not overrun
+            frames.native.changed(*rows, width, np.empty(len(at) - 1, dtype=np.int64))
+
+
 @PATHS
 @given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
        data=st.data())

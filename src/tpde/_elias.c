@@ -56,6 +56,39 @@ static inline int code_length(uint64_t gap) {
     return 2 * ell + 1 + n;
 }
 
+/* The size in bits of the codes of `count` positions, or why they cannot be coded. */
+static const char *measure(const int64_t *p, Py_ssize_t count, uint64_t *nbits) {
+    const char *problem = NULL;
+    *nbits = 0;
+    if (count && (p[0] < 0 || (uint64_t)p[count - 1] > MAX_POSITION))
+        return "positions must lie in [0, 2**56 - 1]";
+    Py_BEGIN_ALLOW_THREADS
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (p[i] <= prev) { problem = "positions must be strictly increasing"; break; }
+        *nbits += (uint64_t)code_length((uint64_t)(p[i] - prev));
+        prev = p[i];
+    }
+    Py_END_ALLOW_THREADS
+    return problem;
+}
+
+/* encoded_bits(positions) -> int: the size of their codes, without writing them (a save
+ * sizes a sparse coding before it chooses one). */
+static PyObject *encoded_bits(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "y*", &view)) return NULL;
+    uint64_t nbits = 0;
+    const char *problem = view.len % 8 ? "positions must be int64"
+                                       : measure((const int64_t *)view.buf, view.len / 8, &nbits);
+    PyBuffer_Release(&view);
+    if (problem) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(nbits);
+}
+
 /* encode(positions, block) -> bytes: positions is a contiguous buffer of int64. */
 static PyObject *encode(PyObject *self, PyObject *args) {
     Py_buffer view;
@@ -67,18 +100,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     uint64_t nbits = 0;
     if (view.len % 8) problem = "positions must be int64";
     else if (block < 1 || block >= ((Py_ssize_t)1 << 32)) problem = "block must be in [1, 2**32)";
-    else if (count && (p[0] < 0 || (uint64_t)p[count - 1] > MAX_POSITION))
-        problem = "positions must lie in [0, 2**56 - 1]";
-    if (!problem) {
-        Py_BEGIN_ALLOW_THREADS
-        int64_t prev = -1;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (p[i] <= prev) { problem = "positions must be strictly increasing"; break; }
-            nbits += (uint64_t)code_length((uint64_t)(p[i] - prev));
-            prev = p[i];
-        }
-        Py_END_ALLOW_THREADS
-    }
+    else problem = measure(p, count, &nbits);
     if (problem) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, problem);
@@ -202,6 +224,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "Code strictly increasing int64 positions into a stream."},
+    {"encoded_bits", encoded_bits, METH_VARARGS, "The size in bits of those positions' codes."},
     {"decode", decode, METH_VARARGS, "Decode a checked stream's codes into an int64 buffer."},
     {NULL, NULL, 0, NULL},
 };

@@ -12,6 +12,7 @@
  *                                      applied as a residual to the words in rows
  *   diff(new, ref, width, out, mode)   the residual of new against ref
  *   apply(residual, width, rows, mode) a residual's words applied to rows
+ *   changed(new, ref, width, out=None) how many words differ, and where (a sparse delta)
  *
  * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
  * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
@@ -82,6 +83,35 @@ enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3 };
         case SUB_FLOAT: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_FLOAT); break; \
         default: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_INT);           \
         }                                                                                   \
+    }                                                                                       \
+    /* Counted in blocks, with a counter as wide as the words (the widest a vector unit adds \
+     * without widening): a block is at most the counter's largest value. */               \
+    static Py_ssize_t count_##W(const unsigned char *new_, const unsigned char *ref_,       \
+                                Py_ssize_t m) {                                             \
+        const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
+        const Py_ssize_t most = sizeof(T) >= 4 ? (Py_ssize_t)1 << 30 : (Py_ssize_t)(T)~(T)0; \
+        Py_ssize_t c = 0;                                                                   \
+        for (Py_ssize_t lo = 0; lo < m; lo += most) {                                       \
+            const Py_ssize_t hi = m - lo < most ? m : lo + most;                            \
+            T block = 0;                                                                    \
+            for (Py_ssize_t j = lo; j < hi; j++) block = (T)(block + (a[j] != b[j]));       \
+            c += (Py_ssize_t)block;                                                         \
+        }                                                                                   \
+        return c;                                                                           \
+    }                                                                                       \
+    /* Without a branch per word (a changed word is where one is least predictable): each   \
+     * word's position is written, and kept by moving on only where it changed; `room` holds \
+     * one more than the changed words. */                                                  \
+    static Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,       \
+                                Py_ssize_t m, int64_t *out, Py_ssize_t room) {              \
+        const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
+        Py_ssize_t c = 0;                                                                   \
+        for (Py_ssize_t j = 0; j < m; j++) {                                                \
+            if (c == room) return -1;                                                       \
+            out[c] = (int64_t)j;                                                            \
+            c += a[j] != b[j];                                                              \
+        }                                                                                   \
+        return c;                                                                           \
     }                                                                                       \
     static void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                          unsigned char *out, int mode) {                                    \
@@ -240,7 +270,47 @@ static PyObject *diff(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* changed(new, ref, width, out=None) -> int: how many words differ; with out (int64, room
+ * for one more than they are), their positions too. A sparse delta's positions without a mask of the
+ * tensor's size made, counted and searched in three passes. */
+static PyObject *changed(PyObject *self, PyObject *args) {
+    Py_buffer a, b, out = {0};
+    int width;
+    PyObject *where = Py_None;
+    if (!PyArg_ParseTuple(args, "y*y*i|O", &a, &b, &width, &where)) return NULL;
+    int bad = check_words(&a, &b, width, XOR, XOR);
+    Py_ssize_t c = 0, m = width > 0 ? b.len / width : 0;
+    if (!bad && where != Py_None) {
+        if (PyObject_GetBuffer(where, &out, PyBUF_WRITABLE) < 0) bad = -1;
+        else if (out.len % 8 || ((uintptr_t)out.buf) % 8) bad = fail("positions must be int64");
+    }
+    if (!bad) {
+        const unsigned char *pa = (const unsigned char *)a.buf;
+        const unsigned char *pb = (const unsigned char *)b.buf;
+        int64_t *o = (int64_t *)out.buf;
+        Py_ssize_t room = out.len / 8;
+        Py_BEGIN_ALLOW_THREADS
+        if (where == Py_None) {
+#define COUNT(W) c = count_##W(pa, pb, m)
+            BY_WIDTH(width, COUNT)
+        } else {
+#define WHERE(W) c = where_##W(pa, pb, m, o, room)
+            BY_WIDTH(width, WHERE)
+        }
+        Py_END_ALLOW_THREADS
+        if (c < 0) bad = fail("more words changed than there is room for");
+    }
+    if (out.obj) PyBuffer_Release(&out);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    if (bad) return NULL;
+    return PyLong_FromSsize_t(c);
+}
+
 static PyMethodDef methods[] = {
+    {"changed", changed, METH_VARARGS,
+     "changed(new, ref, width, out=None): how many words differ (and where, into out, which "
+     "holds one more)."},
     {"take", take, METH_VARARGS,
      "take(rows, width, k, first, out): byte k of words first.. of rows into out."},
     {"join", join, METH_VARARGS,
