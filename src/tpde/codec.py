@@ -230,13 +230,14 @@ def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | 
     """
     n = new.numel()
     if not new.is_cuda:
-        rows = [t.numpy().view(np.uint8).reshape(n, t.element_size()) for t in (new, ref)]
+        width = new.element_size()
+        rows = [t.numpy().view(np.uint8).reshape(n, width) for t in (new, ref)]
         if all(frames.native_words(r) for r in rows):
-            count = frames.native.changed(*rows, rows[0].shape[1])
+            count = frames.native.changed(*rows, width)
             if not 0 < count <= n // 2:
                 return count, None
-            at = np.empty(count + 1, dtype=np.int64)
-            frames.native.changed(*rows, rows[0].shape[1], at)
+            at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
+            frames.native.changed(*rows, width, at)
             return count, torch.from_numpy(at[:count])
     if new.is_cuda or n > NUMPY_WORDS:
         changed = new != ref

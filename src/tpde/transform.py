@@ -215,10 +215,11 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     out = ref if inplace else ref.clone()
     words = out.numpy()
     rows = words.view(np.uint8).reshape(len(words), words.itemsize)
-    if r.is_contiguous() and r.numel() == len(words) and frames.native_words(rows) \
-            and frames.native_words(r.numpy().view(np.uint8).reshape(rows.shape)):
-        frames.native.apply(r.numpy(), rows.shape[1], rows, mode)  # one pass, without the GIL
-        return out
+    if r.is_contiguous() and r.numel() == len(words):
+        by = r.numpy().view(np.uint8).reshape(rows.shape)
+        if frames.native_words(rows) and frames.native_words(by):
+            frames.native.apply(by, rows.shape[1], rows, mode)  # one pass, without the GIL
+            return out
     d = (r if inplace or how == "xor" else r.clone()).numpy()
     if how == "xor":
         np.bitwise_xor(words, d, out=words)
