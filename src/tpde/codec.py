@@ -28,8 +28,8 @@ import torch
 
 from . import elias, frames, quant
 from .errors import FormatError
-from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, residual,
-                        residual_kinds, shuffle, streamed_words, unshuffle)
+from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, native_rows,
+                        residual, residual_kinds, shuffle, streamed_words, unshuffle)
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")
@@ -228,17 +228,14 @@ def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | 
     numpy's on a sharded save's 16 MiB pieces raised each rank's peak resident set from 74-120
     MB to 137-275 MB (why numpy's allocations there cost more was not pinned down).
     """
-    n = new.numel()
-    if not new.is_cuda:
-        width = new.element_size()
-        rows = [t.numpy().view(np.uint8).reshape(n, width) for t in (new, ref)]
-        if all(frames.native_words(r) for r in rows):
-            count = frames.native.changed(*rows, width)
-            if not 0 < count <= n // 2:
-                return count, None
-            at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
-            frames.native.changed(*rows, width, at)
-            return count, torch.from_numpy(at[:count])
+    n, rows = new.numel(), native_rows(new, ref)
+    if rows:
+        count = frames.native.changed(*rows, new.element_size())
+        if not 0 < count <= n // 2:
+            return count, None
+        at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
+        frames.native.changed(*rows, new.element_size(), at)
+        return count, torch.from_numpy(at[:count])
     if new.is_cuda or n > NUMPY_WORDS:
         changed = new != ref
         count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower

@@ -193,17 +193,11 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
 
     def work(mine: range) -> None:
         framed = Framed(stream.frames, stream.raw, stream.chunk, checked=True,
-                        buffer=heap_buffer)
+                        buffer=heap.in_heap)
         for lo in (i * per for i in mine):
             framed.words_into(n, lo, rows[lo : lo + per])
 
     spread(-(-n // per), threads, work, stream.raw, runs=True)
-
-
-def heap_buffer(size: int) -> np.ndarray:
-    """A decode's scratch bytes from the heap, where the next decode finds them already faulted
-    in (a fresh map's pages cost a fault each: 16 ms for 47 MB here)."""
-    return np.empty(size, dtype=np.uint8)
 
 
 def take(rows: np.ndarray, k: int, first: int, out: np.ndarray) -> None:
@@ -404,6 +398,6 @@ class Framed:
         elif native_words(rows):
             self.join_into(n, lo, rows)
         else:
-            planes = heap_buffer(m * width).reshape(width, m)
+            planes = heap.in_heap(m * width).reshape(width, m)
             self.planes_into(n, lo, planes)
             join(planes, rows)

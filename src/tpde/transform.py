@@ -27,6 +27,17 @@ def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8).view(word_dtype)
 
 
+def native_rows(*words: torch.Tensor) -> list[np.ndarray] | None:
+    """The host words' bytes, one row per word, where ``tpde._planes``' word loops take every
+    one of them (``frames.native_words``: contiguous, aligned, all of one size); None where
+    numpy's path must do the work."""
+    if any(w.device.type != "cpu" or not w.is_contiguous() or w.numel() != words[0].numel()
+           or w.element_size() != words[0].element_size() for w in words):
+        return None
+    rows = [w.numpy().view(np.uint8).reshape(w.numel(), w.element_size()) for w in words]
+    return rows if all(frames.native_words(r) for r in rows) else None
+
+
 def shuffle(words: torch.Tensor) -> torch.Tensor:
     """Byte planes: all first bytes of the words, then all second bytes, and so on."""
     width = words.element_size()
@@ -93,12 +104,11 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
         raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
                           f"expected")
     mode = _mode(how, kind)
-    rows = ref.view(torch.uint8).numpy().reshape(n, width)
-    fused = frames.native_words(rows)
+    fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
     # Memory first (a mount at budget 0): buffers mapped for the call alone; a restore's come
     # from the heap, where the next tensor's decode finds them already faulted in.
-    buffer = heap.outside_heap if isinstance(stream, frames.Framed) else frames.heap_buffer
+    buffer = heap.outside_heap if isinstance(stream, frames.Framed) else heap.in_heap
 
     def work(mine: range) -> None:
         framed = stream if isinstance(stream, frames.Framed) \
@@ -109,7 +119,7 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
         for lo in (i * per for i in mine):
             m = min(per, n - lo)
             if fused:  # joined from the frames and applied in one pass, in cache
-                framed.join_into(n, lo, rows[lo : lo + m], mode)
+                framed.join_into(n, lo, fused[0][lo : lo + m], mode)
                 continue
             planes = scratch[: m * width].reshape(width, m)
             framed.planes_into(n, lo, planes)
@@ -160,9 +170,9 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     bits, n = new.element_size() * 8, new.numel()
     out = torch.empty(n, dtype=new.dtype, device=new.device)
     if new.device.type == "cpu":
-        rows = [t.numpy().view(np.uint8).reshape(n, t.element_size()) for t in (new, ref, out)]
-        if all(frames.native_words(x) for x in rows):  # one pass in C, without the GIL
-            frames.native.diff(*rows[:2], rows[0].shape[1], rows[2], _mode(how, kind))
+        rows = native_rows(new, ref, out)
+        if rows:  # one pass in C, without the GIL
+            frames.native.diff(rows[0], rows[1], new.element_size(), rows[2], _mode(how, kind))
         else:
             _residual_host(new.numpy(), ref.numpy(), kind, out.numpy())
         return out
@@ -213,13 +223,11 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     """
     mode = _mode(how, kind)
     out = ref if inplace else ref.clone()
+    rows = native_rows(out, r)
+    if rows:  # one pass in C, without the GIL
+        frames.native.apply(rows[1], out.element_size(), rows[0], mode)
+        return out
     words = out.numpy()
-    rows = words.view(np.uint8).reshape(len(words), words.itemsize)
-    if r.is_contiguous() and r.numel() == len(words):
-        by = r.numpy().view(np.uint8).reshape(rows.shape)
-        if frames.native_words(rows) and frames.native_words(by):
-            frames.native.apply(by, rows.shape[1], rows, mode)  # one pass, without the GIL
-            return out
     d = (r if inplace or how == "xor" else r.clone()).numpy()
     if how == "xor":
         np.bitwise_xor(words, d, out=words)
