@@ -93,6 +93,8 @@ class _OnRun:
 
 #: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
 _HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+#: By (run, rank): each piece's delta coding as last chosen, tried first at the next save.
+_CHOICES: dict[tuple[str, int], dict[str, codec.Choice]] = {}
 #: By run (however its URL is spelled): the writer lease this process's coordinator holds. A
 #: job's saves are one writer whatever Writer objects carry them, so the lease outlives each
 #: save (renewed by the next) and is given up when the process exits.
@@ -296,7 +298,11 @@ class Writer(_OnRun, StorageWriter):
                 t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
         dt = dtypes.of_tensor(t, name=piece)
         words = transform.to_words(t, dt.word_dtype)
-        enc = codec.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name)
+        choices = _CHOICES.setdefault((self.chain.url, self.rank), {})
+        enc = codec.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name,
+                           choice=choices.pop(piece, None))
+        if enc.choice is not None:
+            choices[piece] = enc.choice
         ref = None
         if not enc.keyed and prev is not None:
             before = prev.record(piece)

@@ -141,6 +141,33 @@ def test_chain_restores_every_step_and_keyframes_bound_depth(store_url) -> None:
     assert reader.verify() == []
 
 
+def test_a_writer_codes_each_tensor_as_it_last_chose_until_that_is_due(tmp_path,
+                                                                         monkeypatch) -> None:
+    """The full choice between codings (made on samples for a large tensor) runs at the first
+    delta, then again only every REVALIDATE deltas; a re-key does not reset it."""
+    sampled: list[int] = []
+    sample_starts = tpde.codec._sample_starts
+    monkeypatch.setattr(tpde.codec, "_sample_starts",
+                        lambda *a: sampled.append(step) or sample_starts(*a))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300_000, generator=g)
+    ck = tpde.Checkpointer(str(tmp_path / "run"), keyframe_every=4)
+    saved, chose = [], []
+    for step in range(2 * tpde.codec.REVALIDATE + 4):
+        w = w * (1 + 1e-4 * torch.randn(w.shape, generator=g))
+        saved.append(w.clone())
+        ck.save(step, {"w": w})
+        chose.append(step in sampled)
+    keyed = [s for s in range(len(saved)) if ck.chain.manifest(s).keyframe]
+    assert keyed[:2] == [0, 4]  # re-keyed on the way
+    deltas = [s for s in range(len(saved)) if s not in keyed]
+    # the first delta, and the one after REVALIDATE deltas coded with its choice
+    assert [s for s, c in enumerate(chose) if c] == [deltas[0], deltas[tpde.codec.REVALIDATE + 1]]
+    reader = tpde.Checkpointer(str(tmp_path / "run"))
+    for step, want in enumerate(saved):
+        assert torch.equal(reader.load(step)["w"], want)
+
+
 def test_resumed_writer_continues_with_a_delta(store_url) -> None:
     url, opts = store_url
     states = dict(train_states(3))

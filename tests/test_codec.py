@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -27,11 +28,12 @@ def random_tensor(dt: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.
     return raw.view(dt.torch_dtype).reshape(shape)
 
 
-def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Settings = SMALL) -> codec.Encoding:
+def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Settings = SMALL,
+               choice: codec.Choice | None = None) -> codec.Encoding:
     dt = dtypes.of_tensor(new)
     nw = transform.to_words(new, dt.word_dtype)
     rw = None if ref is None else transform.to_words(ref, dt.word_dtype)
-    enc = codec.encode(nw, rw, dt.kind, settings)
+    enc = codec.encode(nw, rw, dt.kind, settings, choice=choice)
     sections = {k: frames.decompress(list(s.frames), s.raw, s.chunk) for k, s in enc.sections.items()}
     out = codec.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
     assert torch.equal(out, nw)
@@ -91,6 +93,71 @@ def test_codec_choice_follows_the_data() -> None:
     one_ulp_up = (w.view(torch.int16) + 1).view(torch.bfloat16)
     enc = round_trip(one_ulp_up, w)
     assert (enc.codec, enc.residual) == ("dense", "sub")
+
+
+OPTIONS = [("dense", "xor"), ("dense", "sub"), ("sparse", "xor")]
+
+
+@given(st.sampled_from(["float32", "bfloat16", "int32", "uint8"]), st.integers(1, 3000),
+       st.floats(0.0, 1.0), st.sampled_from(OPTIONS), st.floats(0.01, 8.0), st.floats(0.01, 8.0),
+       st.floats(0.0, 1.0), st.integers(0, codec.REVALIDATE), st.integers(0, 2**31))
+def test_any_carried_choice_round_trips(name: str, n: int, density: float, option: tuple,
+                                        per_word: float, key_per_word: float, changed: float,
+                                        uses: int, seed: int) -> None:
+    """A carried choice, however stale or wrong, only changes how the words are coded."""
+    dt = dtypes.BY_NAME[name]
+    ref = random_tensor(dt, (n,), seed)
+    new = ref.view(torch.uint8).clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    new[torch.rand(new.numel(), generator=g) < density] ^= 1
+    choice = codec.Choice(option, per_word, key_per_word, changed, uses)
+    enc = round_trip(new.view(dt.torch_dtype), ref, choice=choice)
+    if enc.codec == "same":
+        assert enc.choice == choice  # carried past an unchanged tensor
+    elif enc.codec == "key":
+        assert enc.choice is None  # chosen in full: a keyframe is no delta coding to carry
+    elif enc.choice.uses:
+        assert (enc.codec, enc.residual) == option and enc.choice.uses == uses + 1
+    else:
+        assert enc.choice.option == (enc.codec, enc.residual)
+
+
+def _drifting(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ref = torch.randn(100_000, generator=g)
+    return ref * (1 + 1e-4 * torch.randn(ref.shape, generator=g)), ref
+
+
+def test_a_carried_choice_is_coded_straight_away_until_it_is_due() -> None:
+    first = round_trip(*_drifting(0), codec.Settings())
+    assert first.codec == "dense" and first.choice is not None and first.choice.uses == 0
+    wrong = dataclasses.replace(first.choice, option=("dense", "xor" if first.residual == "sub"
+                                                      else "sub"), per_word=8.0)
+    enc = round_trip(*_drifting(1), codec.Settings(), choice=wrong)
+    assert enc.residual == wrong.option[1] and enc.choice.uses == 1  # followed, not re-chosen
+    due = dataclasses.replace(wrong, uses=codec.REVALIDATE)
+    enc = round_trip(*_drifting(2), codec.Settings(), choice=due)
+    assert enc.residual == first.residual and enc.choice.uses == 0  # chosen in full again
+
+
+def test_a_carried_choice_is_dropped_when_the_data_changes() -> None:
+    new, ref = _drifting(0)
+    chosen = round_trip(new, ref, codec.Settings()).choice
+    few = ref.clone()
+    few[::1000] += 1  # 0.1% of the words change now, where all did
+    enc = round_trip(few, ref, codec.Settings(), choice=chosen)
+    assert enc.codec == "sparse" and enc.choice.uses == 0
+    # Stored bytes per word past DRIFT times those of the choice: chosen again.
+    grown = dataclasses.replace(chosen, per_word=chosen.per_word / 2)
+    enc = round_trip(new, ref, codec.Settings(), choice=grown)
+    assert enc.choice.uses == 0 and enc.choice.per_word > grown.per_word * codec.DRIFT
+    # Within the key margin of what a keyframe stored: chosen again (a keyframe wins here).
+    unrelated = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
+    enc = round_trip(unrelated, ref, codec.Settings(),
+                     choice=dataclasses.replace(chosen, per_word=8.0, changed=1.0))
+    assert enc.codec == "key" and enc.choice is None
+    # A re-key (no reference) keeps the choice for the deltas after it.
+    assert round_trip(new, None, codec.Settings(), choice=chosen).choice == chosen
 
 
 def test_non_contiguous_and_channels_last_words_are_the_logical_elements() -> None:

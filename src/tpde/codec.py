@@ -20,6 +20,7 @@ Nothing here touches a store.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
@@ -54,6 +55,14 @@ NUMPY_WORDS = 1 << 20
 #: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
 #: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
 STREAM_APPLY_BYTES = 1 << 20
+#: A tensor's coding, once chosen in full, is coded straight away at its next saves (of
+#: compare.py's chains, A's and F's tensors never changed their choice between deltas, and
+#: C's 87% of the time); the full choice is made again after REVALIDATE saves that used it,
+#: and as soon as it stores more than DRIFT times the bytes per word it did when chosen, the
+#: share of changed words moves by more than a factor DRIFT (a sparse coding's size follows
+#: it: C's bf16 projections kept a dense choice 15% larger than sparse without this), or it
+#: comes within the key margin of the keyframe's size then.
+REVALIDATE, DRIFT = 8, 1.1
 
 
 @dataclass
@@ -71,6 +80,17 @@ class Settings:
     block: int = elias.DEFAULT_BLOCK
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A tensor's delta coding as last chosen in full, carried to its next saves."""
+
+    option: tuple[str, str | None]
+    per_word: float  # stored bytes per word when chosen
+    key_per_word: float  # the keyframe coding's (estimated) bytes per word then
+    changed: float  # the share of words that had changed
+    uses: int = 0  # saves coded with it since
+
+
 @dataclass
 class Encoding:
     codec: str
@@ -86,6 +106,8 @@ class Encoding:
     error: tuple[float, float] | None = None
     #: Whether the words are coded against the reference (``quant`` may code without one).
     against: bool = True
+    #: The delta coding to try first at the tensor's next save (None: choose in full).
+    choice: Choice | None = None
 
     @property
     def keyed(self) -> bool:
@@ -153,22 +175,25 @@ def _gather(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
 
 def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
            settings: Settings | None = None, *, bound: quant.Bound | None = None,
-           dtype: str | None = None) -> Encoding:
+           dtype: str | None = None, choice: Choice | None = None) -> Encoding:
     """Encode ``new`` words against ``ref`` words (or as a keyframe when ``ref`` is None).
 
     Small tensors are encoded every way and the smallest kept; for large ones the choice is made
     on evenly spaced samples and only the winner is encoded in full (both finalists, when a
-    sparse and a dense coding of a mid-size tensor come too close to call). With a ``bound`` on a
-    floating-point ``dtype`` the best exact coding competes with the error-bounded ones.
+    sparse and a dense coding of a mid-size tensor come too close to call). ``choice`` (the
+    previous save's ``Encoding.choice`` of this tensor) skips that while it still holds: see
+    ``REVALIDATE``. With a ``bound`` on a floating-point ``dtype`` the best exact coding
+    competes with the error-bounded ones.
     """
     s = settings or Settings()
-    exact = _encode_exact(new, ref, kind, s)
+    exact = _encode_exact(new, ref, kind, s, choice)
     if bound is None or dtype is None or not quant.applies(dtype) or exact.codec == "same":
         return exact
     lossy = _encode_quant(new, ref, dtype, bound, s)
     if lossy is None or lossy.stored >= exact.stored:
         return exact
     lossy.error = quant.errors(new, lossy.words, quant.FLOATS[dtype][0])
+    lossy.choice = exact.choice
     return lossy
 
 
@@ -249,14 +274,15 @@ def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | 
         else torch.from_numpy(np.flatnonzero(changed.numpy()))
 
 
-def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings
-                  ) -> Encoding:
+def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings,
+                  choice: Choice | None) -> Encoding:
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
-        return Encoding("key", sections={"values": _compress(new, s)})
+        # A re-key keeps the tensor's delta choice for the deltas after it.
+        return Encoding("key", sections={"values": _compress(new, s)}, choice=choice)
     ref = ref.to(new.device, non_blocking=True)
     count, positions = _changes(new, ref)
     if count == 0:
-        return Encoding("same")
+        return Encoding("same", choice=choice)
 
     n = new.numel()
     options: list[tuple[str, str | None]] = [("key", None)]
@@ -275,30 +301,46 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
 
-    coded_positions: frames.Section | None = None  # coded already, by a close call
+    built: dict[tuple[str, str | None], frames.Section] = {}
+    coded_positions: frames.Section | None = None  # coded already, in full
 
     def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
+        nonlocal coded_positions
         enc = Encoding(option[0], option[1], count if option[0] != "key" else 0,
                        {"values": values})
         if option[0] == "sparse":
-            enc.sections["positions"] = coded_positions if coded_positions is not None \
-                else _positions(positions, s)
+            if coded_positions is None:
+                coded_positions = _positions(positions, s)
+            enc.sections["positions"] = coded_positions
         return enc
 
+    if choice is not None and choice.uses < REVALIDATE and choice.option in options \
+            and choice.changed / DRIFT <= count / n <= choice.changed * DRIFT:
+        built[choice.option] = values = _compress(build(choice.option), s)
+        enc = coded(choice.option, values)
+        if enc.stored <= DRIFT * choice.per_word * n \
+                and enc.stored < s.key_margin * choice.key_per_word * n:
+            enc.choice = dataclasses.replace(choice, uses=choice.uses + 1)
+            return enc
+
     def position_bytes() -> float:
+        if coded_positions is not None:
+            return coded_positions.stored
         return elias.encoded_bits(positions.cpu().numpy()) / 8 + 16 * (count // s.block + 1)
 
     sizes: dict[tuple[str, str | None], float] = {}
-    built: dict[tuple[str, str | None], frames.Section] = {}
     exact = n * new.element_size() <= EXACT_CHOICE_BYTES
     for option in options:
         length = count if option[0] == "sparse" else n
-        sample = None if exact else _sample_starts(length)
-        coded_as = _compress(build(option, sample), s)
-        if sample is None:  # the whole of it: kept, should it win
-            built[option], sizes[option] = coded_as, coded_as.stored
+        sample = None if exact or option in built else _sample_starts(length)
+        if option not in built:
+            coded_as = _compress(build(option, sample), s)
+            if sample is None:  # the whole of it: kept, should it win
+                built[option] = coded_as
+            sizes[option] = coded_as.stored if sample is None \
+                else coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
         else:
-            sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
+            sizes[option] = built[option].stored
         # The positions are sized only where the values alone would beat every dense option.
         if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
                                                           if o[0] == "dense"):
@@ -317,14 +359,16 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
             built[option] = whole = built.get(option) or _compress(build(option), s)
             sizes[option] = whole.stored
             if option[0] == "sparse":
-                coded_positions = _positions(positions, s)
-                sizes[option] += coded_positions.stored
+                sizes[option] += coded(option, whole).sections["positions"].stored
         best = min(ranked[:2], key=sizes.__getitem__)
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     if best[0] != "sparse":
         positions = None  # not needed any more: free it before the full encode
-    return coded(best, built.get(best) or _compress(build(best), s))
+    enc = coded(best, built.get(best) or _compress(build(best), s))
+    if best[0] != "key":
+        enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
+    return enc
 
 
 # ---------------------------------------------------------------- decoding

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from .. import codec
 from ..errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
 from ..manifest import Manifest, Record, parse
 from ..store import Store
@@ -46,6 +47,8 @@ class Reference:
     step: int
     words: dict[str, torch.Tensor]
     held: bool = True
+    #: Each tensor's delta coding as last chosen, tried first at the next save.
+    choices: dict[str, codec.Choice] = field(default_factory=dict)
 
 
 @dataclass

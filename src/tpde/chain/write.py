@@ -122,6 +122,7 @@ class Writer(Reader):
         writer = self.store.open_write(blob_rel)
         records: list[Record] = []
         new_words: dict[str, torch.Tensor] = {}
+        choices: dict[str, codec.Choice] = {}
         deepest = 0
 
         def encode(piece: Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str,
@@ -136,7 +137,8 @@ class Writer(Reader):
             elif reference and not reference.held:
                 ref_words = self._stored_words(reference, piece.name)
             bound = bounds(piece.span.name) if bounds is not None else None
-            enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound, dtype=dt.name)
+            enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound, dtype=dt.name,
+                               choice=reference.choices.get(piece.name) if reference else None)
             if enc.words is not None:  # error-bounded: what a reader rebuilds
                 host = enc.words.to("cpu")
             elif enc.codec == "same" and ref_words is not None and not ref_words.is_cuda:
@@ -167,6 +169,8 @@ class Writer(Reader):
                                   dict(zip(("abs", "rel"), enc.error)) if enc.error else None))
             if host is not None:
                 new_words[piece.name] = host
+            if enc.choice is not None:
+                choices[piece.name] = enc.choice
 
         try:
             workers = settings.threads or frames.default_threads()
@@ -207,7 +211,7 @@ class Writer(Reader):
         )
         m.seconds = time.perf_counter() - started
         m = self.commit(m)
-        return m, Reference(step, new_words, held=keep_reference)
+        return m, Reference(step, new_words, held=keep_reference, choices=choices)
 
     def _stored_words(self, reference: Reference | None, piece: str) -> torch.Tensor | None:
         """The reference step's words of one tensor, read back from the store."""
