@@ -192,8 +192,7 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
     def work(mine: range) -> None:
-        framed = Framed(stream.frames, stream.raw, stream.chunk, checked=True,
-                        buffer=heap.in_heap)
+        framed = Framed(stream.frames, stream.raw, stream.chunk, checked=True)
         for lo in (i * per for i in mine):
             framed.words_into(n, lo, rows[lo : lo + per])
 
@@ -303,20 +302,17 @@ class Framed:
     frame from the store only when it is asked for. Frames are decompressed into a few reused
     buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
     plane, slice after slice, decompresses each frame once. The restore path reads frames held
-    in memory the same way, a run of slices per frame thread (``unshuffle_into``), with
-    ``buffer`` making heap buffers and, once every frame's declared size is ``checked``, no
-    check per frame.
+    in memory the same way, a run of slices per frame thread (``unshuffle_into``), with, once
+    every frame's declared size is ``checked``, no check per frame.
     """
 
     def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int, *,
-                 checked: bool = False,
-                 buffer: Callable[[int], np.ndarray] = heap.outside_heap) -> None:
+                 checked: bool = False) -> None:
         self.sizes = raw_sizes(raw, chunk)
         if len(self.sizes) != len(frames):
             raise FormatError("chunk count does not match the stream's raw size")
         self.frames, self.raw, self.chunk = frames, raw, chunk
         self.keep = 2  # frames held decompressed: enough to read a plane in order
-        self._buffer = buffer  # makes the buffers frames are decompressed into
         self._held: dict[int, np.ndarray] = {}  # frame index -> its buffer, oldest first
         self._spare: list[np.ndarray] = []
         self._checked = checked  # every frame's declared size already checked
@@ -331,7 +327,7 @@ class Framed:
             return self._held[i][:n]
         while len(self._held) >= self.keep:
             self._spare.append(self._held.pop(next(iter(self._held))))
-        buf = self._spare.pop() if self._spare else self._buffer(self.chunk)
+        buf = self._spare.pop() if self._spare else heap.in_heap(self.chunk)
         frame, view, got = self.frames[i], memoryview(buf)[:n], 0
         if not self._checked:
             check_declared([frame], [n])

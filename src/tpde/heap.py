@@ -1,14 +1,14 @@
-"""Process memory: buffers kept out of the C heap, and freed heap pages handed back.
+"""Process memory: decode buffers, and freed heap pages handed back.
 
 glibc raises its mmap threshold to the size of the large blocks a program frees and keeps
 later blocks below that size in its heaps, where freed ones stay resident. Encodes and decodes
-free many such blocks; these two tools keep what the process holds near what it uses.
+free many such blocks; these tools keep what the process holds near what it uses.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
+import threading
 from typing import Any
 
 import numpy as np
@@ -34,27 +34,35 @@ def return_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-_PRIVATE = getattr(mmap, "MAP_PRIVATE", None)  # None on Windows: a plain anonymous map
-
-
-def outside_heap(nbytes: int) -> np.ndarray:
-    """``nbytes`` of memory mapped for this buffer alone, returned to the system as soon as
-    the buffer is freed, whatever glibc's threshold has become: a memory-first decode's
-    buffers, made this way, never stay resident once freed (measured on a mount at budget 0:
-    7 MB less for an 8 MB tensor).
-
-    Private, not Python's default shared map: the first write to each page is what a fresh
-    buffer costs, and 47 MB took 25 ms to fault in shared, 16 ms private. (Advised into huge
-    pages, 2.4 ms alone, but a restore that faulted 200 MB so took 51-287 ms where it takes
-    74-95 ms in small pages: the kernel compacts memory to find them.)
-    """
-    if _PRIVATE is None:
-        return np.frombuffer(mmap.mmap(-1, max(1, nbytes)), dtype=np.uint8)[:nbytes]
-    m = mmap.mmap(-1, max(1, nbytes), flags=_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(m, dtype=np.uint8)[:nbytes]
-
-
 def in_heap(nbytes: int) -> np.ndarray:
-    """A decode's scratch bytes from the heap, where the next decode finds them already faulted
-    in (a fresh map's pages cost a fault each: 16 ms for 47 MB here)."""
+    """A decode's bytes from the heap, where the next decode finds them already faulted in (a
+    fresh map's pages cost a fault each: 16 ms for 47 MB here).
+
+    A memory-first decode (a mount at budget 0) took its buffers from maps of their own, given
+    back to the system as each was freed, and trimmed the heap after every module: a forward of
+    MiniLM mounted at its keyframe took 116-120 ms, faulting its tensors' fresh pages in each
+    time. From the heap, trimmed as ``freed`` says, it takes 57-58 ms (two deltas deep: 227-238
+    against 116-117), for up to 4 MB more at the peak (``benchmarks/mount_memory.py``).
+    """
     return np.empty(nbytes, dtype=np.uint8)
+
+
+#: Bytes a memory-first decode frees between two trims of the heap (``freed``). Per forward of
+#: MiniLM at budget 0, trimmed every 8 / 16 / 32 MiB: 64 / 58 / 53 ms; a small bf16 model's
+#: peak rose 12 / 12-15 / 11-23 MiB over its forward, against 24 for a dense load.
+TRIM_EVERY_BYTES = 16 << 20
+_freed = 0
+_freed_lock = threading.Lock()
+
+
+def freed(nbytes: int) -> None:
+    """Count ``nbytes`` that a memory-first decode let go, and trim the heap once they add up to
+    ``TRIM_EVERY_BYTES``: trimming after each module handed back the pages the next one was
+    about to fault in again."""
+    global _freed
+    with _freed_lock:
+        _freed += nbytes
+        if _freed < TRIM_EVERY_BYTES:
+            return
+        _freed = 0
+    return_freed_memory()

@@ -21,8 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import dtypes, keys
-from .heap import return_freed_memory
+from . import dtypes, heap, keys
 from . import entry as entries
 from .chain import Chain, span_words
 from .chain import sharded
@@ -357,18 +356,18 @@ class Mount:
         # Modules still running (the ancestors of the one that just finished) keep theirs;
         # pinned modules go last.
         idle = [n for n in self._lru if n not in self._active]
-        released = False
+        released = 0
         for victim in [n for n in idle if n not in self._pinned] + \
                 [n for n in idle if n in self._pinned]:
             if self._resident() <= self.budget:
                 break
             del self._lru[victim]
             self._release(victim)
-            released = True
+            released += self.sizes[victim]
         if released and self.on is None:
-            # Decodes free large buffers that glibc would otherwise keep: give them back, so
-            # that a small budget bounds the process, not only the weights it holds.
-            return_freed_memory()
+            # Decodes free large buffers that glibc would otherwise keep: given back now and
+            # then, so that a small budget bounds the process, not only the weights it holds.
+            heap.freed(released)
 
     def _ahead(self, name: str) -> None:
         if self._pool is None:

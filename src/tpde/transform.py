@@ -59,7 +59,7 @@ def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tens
     if len(stream) % width:
         raise FormatError("byte planes do not hold a whole number of words")
     n = len(stream) // width
-    words = torch.from_numpy(heap.outside_heap(n * width)).view(word_dtype)
+    words = torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     for lo in range(0, n, stream.chunk):
         stream.words_into(n, lo, rows[lo : lo + stream.chunk])
@@ -106,16 +106,13 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     mode = _mode(how, kind)
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
-    # Memory first (a mount at budget 0): buffers mapped for the call alone; a restore's come
-    # from the heap, where the next tensor's decode finds them already faulted in.
-    buffer = heap.outside_heap if isinstance(stream, frames.Framed) else heap.in_heap
 
     def work(mine: range) -> None:
         framed = stream if isinstance(stream, frames.Framed) \
-            else frames.Framed(stream.frames, stream.raw, stream.chunk, buffer=buffer)
+            else frames.Framed(stream.frames, stream.raw, stream.chunk)
         # Without _planes, no allocation per slice: the residual's planes, its words and the
         # temporaries reuse three buffers.
-        scratch = None if fused else buffer(3 * min(per, n) * width)
+        scratch = None if fused else heap.in_heap(3 * min(per, n) * width)
         for lo in (i * per for i in mine):
             m = min(per, n - lo)
             if fused:  # joined from the frames and applied in one pass, in cache

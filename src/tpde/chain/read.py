@@ -387,7 +387,7 @@ class Reader(ChainBase):
                         progress(r.raw_bytes)
                 del prepared, jobs, rebuilt  # this batch's sections, before the next is waited on
                 if not look_ahead:
-                    heap.return_freed_memory()  # what the batch freed, before the next one
+                    heap.freed(sum(r.raw_bytes for r, _ in batch))
         result = {}
         for rec in wanted:
             if rec.name in failed:
