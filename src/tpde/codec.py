@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -240,38 +241,41 @@ def _positions(at: torch.Tensor, s: Settings) -> frames.Section:
                            threads=s.threads)
 
 
-def _changes(new: torch.Tensor, ref: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-    """How many words differ, and where, when at most half do (only then is a sparse coding
-    sized). The count tells an unchanged tensor too: torch.equal reads both in full as well,
-    and took as long as the mask and its count together (10M words: 3.7 ms against 3.7 ms).
+def _changes(new: torch.Tensor, ref: torch.Tensor
+             ) -> tuple[int, Callable[[], torch.Tensor] | None]:
+    """How many words differ, and (when at most half do: only then is a sparse coding sized) a
+    function that finds where, called only when a sparse coding is built: a tensor whose
+    carried choice is dense is never searched. The count tells an unchanged tensor too:
+    torch.equal reads both in full as well, and took as long as the mask and its count together
+    (10M words: 3.7 ms against 3.7 ms).
 
-    Host words are counted, and searched where few enough changed, by ``tpde._planes``
-    without a mask: on C's full chain numpy's mask, its count and its search took 15% of a
-    save's samples. Without it, up to ``NUMPY_WORDS`` host words the mask is numpy's: torch's
-    mask and count of a 1 MB tensor took 189 us against numpy's 34 on the encode threads (its
-    intra-op threads, started per call). Larger tensors keep torch's, whose threads pay there:
-    numpy's on a sharded save's 16 MiB pieces raised each rank's peak resident set from 74-120
-    MB to 137-275 MB (why numpy's allocations there cost more was not pinned down).
+    Host words are counted, and searched, by ``tpde._planes`` without a mask: on C's full chain
+    numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
+    ``NUMPY_WORDS`` host words the mask is numpy's: torch's mask and count of a 1 MB tensor took
+    189 us against numpy's 34 on the encode threads (its intra-op threads, started per call).
+    Larger tensors keep torch's, whose threads pay there: numpy's on a sharded save's 16 MiB
+    pieces raised each rank's peak resident set from 74-120 MB to 137-275 MB (why numpy's
+    allocations there cost more was not pinned down).
     """
     n, rows = new.numel(), native_rows(new, ref)
     if rows:
         count = frames.native.changed(*rows, new.element_size())
-        if not 0 < count <= n // 2:
-            return count, None
-        at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
-        frames.native.changed(*rows, new.element_size(), at)
-        return count, torch.from_numpy(at[:count])
-    if new.is_cuda or n > NUMPY_WORDS:
+
+        def where() -> torch.Tensor:
+            at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
+            frames.native.changed(*rows, new.element_size(), at)
+            return torch.from_numpy(at[:count])
+    elif new.is_cuda or n > NUMPY_WORDS:
         changed = new != ref
         count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
+        # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
+        where = (lambda: torch.nonzero(changed).reshape(-1)) if changed.is_cuda \
+            else (lambda: torch.from_numpy(np.flatnonzero(changed.numpy())))
     else:
-        changed = torch.from_numpy(np.not_equal(new.numpy(), ref.numpy()))
-        count = int(np.count_nonzero(changed.numpy()))
-    if not 0 < count <= n // 2:
-        return count, None
-    # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
-    return count, torch.nonzero(changed).reshape(-1) if changed.is_cuda \
-        else torch.from_numpy(np.flatnonzero(changed.numpy()))
+        mask = np.not_equal(new.numpy(), ref.numpy())
+        count = int(np.count_nonzero(mask))
+        where = lambda: torch.from_numpy(np.flatnonzero(mask))  # noqa: E731
+    return count, where if 0 < count <= n // 2 else None
 
 
 def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings,
@@ -280,15 +284,23 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # A re-key keeps the tensor's delta choice for the deltas after it.
         return Encoding("key", sections={"values": _compress(new, s)}, choice=choice)
     ref = ref.to(new.device, non_blocking=True)
-    count, positions = _changes(new, ref)
+    count, where = _changes(new, ref)
     if count == 0:
         return Encoding("same", choice=choice)
 
     n = new.numel()
     options: list[tuple[str, str | None]] = [("key", None)]
     options += [("dense", how) for how in residual_kinds(kind)]
-    if positions is not None:
+    if where is not None:
         options.append(("sparse", "xor"))
+    search = [where] if where is not None else []
+    del where
+    found: list[torch.Tensor] = []  # the changed words' positions, once searched
+
+    def positions() -> torch.Tensor:
+        if not found:
+            found.append(search[0]())
+        return found[0]
 
     def build(option: tuple[str, str | None],
               sample: tuple[list[int], int] | None = None) -> torch.Tensor:
@@ -296,7 +308,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         of the sample's windows only, when given."""
         name, how = option
         if name == "sparse":
-            at = positions if sample is None else _windows(positions, sample)
+            at = positions() if sample is None else _windows(positions(), sample)
             return residual(_gather(new, at), _gather(ref, at), "xor", kind)
         a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         return a if name == "key" else residual(a, b, how, kind)
@@ -310,7 +322,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
                        {"values": values})
         if option[0] == "sparse":
             if coded_positions is None:
-                coded_positions = _positions(positions, s)
+                coded_positions = _positions(positions(), s)
             enc.sections["positions"] = coded_positions
         return enc
 
@@ -326,7 +338,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     def position_bytes() -> float:
         if coded_positions is not None:
             return coded_positions.stored
-        return elias.encoded_bits(positions.cpu().numpy()) / 8 + 16 * (count // s.block + 1)
+        return elias.encoded_bits(positions().cpu().numpy()) / 8 + 16 * (count // s.block + 1)
 
     sizes: dict[tuple[str, str | None], float] = {}
     exact = n * new.element_size() <= EXACT_CHOICE_BYTES
@@ -364,7 +376,8 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     if best[0] != "sparse":
-        positions = None  # not needed any more: free it before the full encode
+        found.clear()  # not needed any more: freed (and a mask searched) before the full encode
+        search.clear()
     enc = coded(best, built.get(best) or _compress(build(best), s))
     if best[0] != "key":
         enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
