@@ -41,8 +41,8 @@ def in_heap(nbytes: int) -> np.ndarray:
     A memory-first decode (a mount at budget 0) took its buffers from maps of their own, given
     back to the system as each was freed, and trimmed the heap after every module: a forward of
     MiniLM mounted at its keyframe took 116-120 ms, faulting its tensors' fresh pages in each
-    time. From the heap, trimmed as ``freed`` says, it takes 57-58 ms (two deltas deep: 227-238
-    against 116-117), for up to 4 MB more at the peak (``benchmarks/mount_memory.py``).
+    time. From the heap, trimmed as ``freed`` says, it takes 58-70 ms (two deltas deep: 227-238
+    against 117-154), for up to 4 MB more at the peak (``benchmarks/mount_memory.py``).
     """
     return np.empty(nbytes, dtype=np.uint8)
 
