@@ -21,6 +21,7 @@ Nothing here touches a store.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -293,14 +294,9 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     options += [("dense", how) for how in residual_kinds(kind)]
     if where is not None:
         options.append(("sparse", "xor"))
-    search = [where] if where is not None else []
+    # The changed words' positions: searched once, when first asked for.
+    positions = functools.cache(where) if where is not None else None
     del where
-    found: list[torch.Tensor] = []  # the changed words' positions, once searched
-
-    def positions() -> torch.Tensor:
-        if not found:
-            found.append(search[0]())
-        return found[0]
 
     def build(option: tuple[str, str | None],
               sample: tuple[list[int], int] | None = None) -> torch.Tensor:
@@ -376,8 +372,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     if best[0] != "sparse":
-        found.clear()  # not needed any more: freed (and a mask searched) before the full encode
-        search.clear()
+        positions = None  # not needed any more: freed, with any mask, before the full encode
     enc = coded(best, built.get(best) or _compress(build(best), s))
     if best[0] != "key":
         enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
