@@ -338,6 +338,29 @@ def test_one_tensor_is_read_by_range_without_the_whole_blob(store_url) -> None:
     assert 0 < sum(fetched) < blob_size / 4
 
 
+@given(st.lists(st.integers(0, 3 << 20), max_size=40))
+def test_a_decode_hands_records_to_its_pool_in_runs_and_gets_them_back_in_order(sizes) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tpde.chain import read
+
+    handed: list[int] = []
+
+    def run(fn, runs):
+        runs = list(runs)
+        handed.extend(len(r) for r in runs)
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(fn, runs))
+
+    jobs = [(i, n) for i, n in enumerate(sizes)]
+    assert read._in_runs(run, lambda i, n: (i, n * 2), jobs, sizes) == [(i, n * 2) for i, n in jobs]
+    assert sum(handed) == len(jobs)
+    # Small neighbours share a task; a task of several holds at most TASK_BYTES.
+    assert len(handed) <= len(jobs)
+    if sizes and max(sizes) <= read.TASK_BYTES // 4 and sum(sizes) <= read.TASK_BYTES:
+        assert handed == [len(jobs)]
+
+
 BLOB = bytes(range(256)) * 1200  # 300 KiB, every offset's byte known
 
 

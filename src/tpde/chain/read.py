@@ -22,6 +22,10 @@ from .plan import batches
 #: Words a rebuild reads and decompresses at once (``Chain.materialize``). 32 MiB restores as
 #: fast as 128 MiB did (a 200 MB delta step: 1.09 s against 1.07 s) and holds 100 MB less.
 DECODE_BATCH_BYTES = 32 << 20
+#: A decode hands its records to the pool in runs of neighbouring records of up to about this
+#: many raw bytes, a task each: one task per record cost E's latest-step restore (2500 records,
+#: most of a few kB) more in hand-offs than in decoding.
+TASK_BYTES = 1 << 20
 #: Times a read starts again when the run's writer rewrote what it was reading (a re-base).
 REREADS = 3
 
@@ -55,6 +59,14 @@ def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
         except TPDEError as exc:
             return exc
     return run
+
+
+def _in_runs(run: Callable[..., Iterable[Any]], fn: Callable[..., Any], jobs: list[tuple],
+            sizes: list[int]) -> list[Any]:
+    """``fn(*job)`` of every job, in order; ``run`` (a pool's ``map``, or ``map``) gets runs of
+    neighbouring jobs of up to ``TASK_BYTES`` (``sizes`` are the jobs' raw bytes)."""
+    return [out for outs in run(lambda js: [fn(*j) for j in js], batches(jobs, sizes, TASK_BYTES))
+            for out in outs]
 
 
 def _decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dict[str, Any]:
@@ -335,7 +347,9 @@ class Reader(ChainBase):
             on_gpu = backend is not None and backend.nvcomp
             mode = "gpu" if on_gpu else "host" if backend is not None else \
                 "stream" if stream else "fused"
-            sections = list(spread(_attempt(_decompress), recs, fetched, [mode] * len(recs)))
+            sections = _in_runs(spread, _attempt(_decompress),
+                                [(r, f, mode) for r, f in zip(recs, fetched)],
+                                [r.raw_bytes for r in recs])
             if on_gpu:
                 backend.add_values(sections, [
                     (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
@@ -364,8 +378,9 @@ class Reader(ChainBase):
                 jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
                 if backend is None:
-                    rebuilt = spread(_attempt(partial(_rebuild_checked, at=at, final=final,
-                                                      into=into)), jobs)
+                    rebuilt = _in_runs(spread, _attempt(partial(_rebuild_checked, at=at,
+                                                                final=final, into=into)),
+                                       [(job,) for job in jobs], [j[0].raw_bytes for j in jobs])
                 else:
                     # Kernels are launched from this thread, one record after another (the
                     # device runs them in order either way); the hashes are computed in the pool.
