@@ -339,15 +339,15 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     sizes: dict[tuple[str, str | None], float] = {}
     exact = n * new.element_size() <= EXACT_CHOICE_BYTES
     for option in options:
-        length = count if option[0] == "sparse" else n
-        sample = None if exact or option in built else _sample_starts(length)
         if option not in built:
+            length = count if option[0] == "sparse" else n
+            sample = None if exact else _sample_starts(length)
             coded_as = _compress(build(option, sample), s)
             if sample is None:  # the whole of it: kept, should it win
                 built[option] = coded_as
-            sizes[option] = coded_as.stored if sample is None \
-                else coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
-        else:
+            else:
+                sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
+        if option in built:
             sizes[option] = built[option].stored
         # The positions are sized only where the values alone would beat every dense option.
         if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
