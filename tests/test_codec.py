@@ -345,6 +345,38 @@ def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int
     assert torch.equal(back, words)
 
 
+@given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
+       chunk=st.sampled_from([4096, 5000, 65536]), threads=st.sampled_from([1, 2, 3]),
+       how=st.sampled_from([("xor", "raw"), ("sub", "float"), ("sub", "int")]),
+       seed=st.integers(0, 2**31))
+def test_a_residual_is_compressed_straight_from_the_words(n: int, width: int, chunk: int,
+                                                          threads: int, how: tuple[str, str],
+                                                          seed: int) -> None:
+    """A residual's planes split from the words and their reference, slice by slice, make the
+    frames of the residual's shuffled stream, with chunks that tile the planes and chunks that
+    straddle them."""
+    word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randint(-2**62, 2**62, (n,), generator=g, dtype=torch.int64).to(word)
+    new = ref + torch.randint(-3, 3, (n,), generator=g, dtype=torch.int64).to(word)
+    rows, against = (w.view(torch.uint8).numpy().reshape(n, width) for w in (new, ref))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frames, "SPREAD_BYTES", 1)
+        sec = frames.compress_planes(rows, against=against, mode=transform.residual_mode(*how),
+                                     level=1, chunk=chunk, threads=threads)
+    expected = transform.shuffle(transform.residual(new, ref, *how))
+    assert sec == frames.compress(_bytes_of(expected), level=1, chunk=chunk)
+
+
+def test_a_residual_needs_words_that_the_c_loops_take() -> None:
+    rows = np.zeros((10, 4), dtype=np.uint8)
+    with pytest.raises(ValueError):
+        frames.compress_planes(rows, against=np.zeros((9, 4), dtype=np.uint8), mode=1)
+    odd = np.zeros(41, dtype=np.uint8)[1:].reshape(10, 4)  # not aligned to its words
+    with pytest.raises(ValueError):
+        frames.compress_planes(rows, against=odd, mode=1)
+
+
 def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy() -> None:
     """Two encode tasks spread frames at once; a part the frame threads have not started is
     done by the caller, never waited for (here the threads are held until the end)."""

@@ -102,6 +102,13 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.diff(np.zeros(40, dtype=np.uint8), rows, 4, rows, 7)  # no such residual
     with pytest.raises(ValueError):
         frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
+    planes = np.empty(40, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        frames.native.split(rows, None, 4, planes, 10, 1)  # a residual without its reference
+    with pytest.raises(ValueError):
+        frames.native.split(rows, rows, 4, planes, 9, 2)  # planes of 9 bytes for 10 words
+    with pytest.raises(ValueError):
+        frames.native.split(rows, rows, 4, planes, 11, 2)  # 4 planes of 11 bytes in 40
 
 
 @PATHS

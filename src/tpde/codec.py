@@ -32,7 +32,8 @@ import torch
 from . import elias, frames, quant
 from .errors import FormatError
 from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, native_rows,
-                        residual, residual_kinds, shuffle, streamed_words, unshuffle)
+                        residual, residual_kinds, residual_mode, shuffle, streamed_words,
+                        unshuffle)
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")
@@ -136,7 +137,10 @@ def plane_chunk(words: int, target: int) -> int:
     return max(frames.MIN_CHUNK, min(frames.MAX_CHUNK, -(-words // per_plane)))
 
 
-def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
+def _compress(words: torch.Tensor, s: Settings, *, against: torch.Tensor | None = None,
+              mode: int = 0) -> frames.Section:
+    """The words' byte planes compressed; with ``against`` (host words that ``_planes``
+    takes), those of their residual in ``mode``."""
     chunk = plane_chunk(words.numel(), s.chunk)
     if words.is_cuda:
         from tpde.kernels import nvcomp
@@ -144,8 +148,11 @@ def _compress(words: torch.Tensor, s: Settings) -> frames.Section:
         if nvcomp.available():
             return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
     # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
-    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, words.element_size())
-    return frames.compress_planes(rows, level=s.level, chunk=chunk, threads=s.threads)
+    width = words.element_size()
+    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, width)
+    ref = None if against is None else against.view(torch.uint8).numpy().reshape(-1, width)
+    return frames.compress_planes(rows, against=ref, mode=mode, level=s.level, chunk=chunk,
+                                  threads=s.threads)
 
 
 def _sample_starts(length: int) -> tuple[list[int], int] | None:
@@ -299,15 +306,21 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     del where
 
     def build(option: tuple[str, str | None],
-              sample: tuple[list[int], int] | None = None) -> torch.Tensor:
-        """The words an option compresses: of every element, or of the changed ones (sparse);
-        of the sample's windows only, when given."""
+              sample: tuple[list[int], int] | None = None) -> frames.Section:
+        """An option compressed: the words of every element, or of the changed ones (sparse);
+        of the sample's windows only, when given. Host residuals are split into planes as they
+        are compressed (``frames.compress_planes``), never made whole."""
         name, how = option
         if name == "sparse":
             at = positions() if sample is None else _windows(positions(), sample)
-            return residual(_gather(new, at), _gather(ref, at), "xor", kind)
-        a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
-        return a if name == "key" else residual(a, b, how, kind)
+            a, b, how = _gather(new, at), _gather(ref, at), "xor"
+        else:
+            a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
+        if name == "key":
+            return _compress(a, s)
+        if native_rows(a, b):
+            return _compress(a, s, against=b, mode=residual_mode(how, kind))
+        return _compress(residual(a, b, how, kind), s)
 
     built: dict[tuple[str, str | None], frames.Section] = {}
     coded_positions: frames.Section | None = None  # coded already, in full
@@ -324,7 +337,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
 
     if choice is not None and choice.uses < REVALIDATE and choice.option in options \
             and choice.changed / DRIFT <= count / n <= choice.changed * DRIFT:
-        built[choice.option] = values = _compress(build(choice.option), s)
+        built[choice.option] = values = build(choice.option)
         enc = coded(choice.option, values)
         if enc.stored <= DRIFT * choice.per_word * n \
                 and enc.stored < s.key_margin * choice.key_per_word * n:
@@ -342,7 +355,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         if option not in built:
             length = count if option[0] == "sparse" else n
             sample = None if exact else _sample_starts(length)
-            coded_as = _compress(build(option, sample), s)
+            coded_as = build(option, sample)
             if sample is None:  # the whole of it: kept, should it win
                 built[option] = coded_as
             else:
@@ -364,7 +377,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # the smaller kept. (Between dense residuals samples rank well enough: settling
         # those too slowed A's and B's saves 20% for 0.02% of bytes.)
         for option in ranked[:2]:
-            built[option] = whole = built.get(option) or _compress(build(option), s)
+            built[option] = whole = built.get(option) or build(option)
             sizes[option] = whole.stored
             if option[0] == "sparse":
                 sizes[option] += coded(option, whole).sections["positions"].stored
@@ -373,7 +386,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         best = ("key", None)
     if best[0] != "sparse":
         positions = None  # not needed any more: freed, with any mask, before the full encode
-    enc = coded(best, built.get(best) or _compress(build(best), s))
+    enc = coded(best, built.get(best) or build(best))
     if best[0] != "key":
         enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
     return enc

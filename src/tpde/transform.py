@@ -103,7 +103,7 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     if stream.raw != n * width:
         raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
                           f"expected")
-    mode = _mode(how, kind)
+    mode = residual_mode(how, kind)
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
@@ -169,7 +169,8 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     if new.device.type == "cpu":
         rows = native_rows(new, ref, out)
         if rows:  # one pass in C, without the GIL
-            frames.native.diff(rows[0], rows[1], new.element_size(), rows[2], _mode(how, kind))
+            frames.native.diff(rows[0], rows[1], new.element_size(), rows[2],
+                               residual_mode(how, kind))
         else:
             _residual_host(new.numpy(), ref.numpy(), kind, out.numpy())
         return out
@@ -218,7 +219,7 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     oversubscribe the cores (a 200 MB delta step restored 15-20% faster with numpy here than
     with torch).
     """
-    mode = _mode(how, kind)
+    mode = residual_mode(how, kind)
     out = ref if inplace else ref.clone()
     rows = native_rows(out, r)
     if rows:  # one pass in C, without the GIL
@@ -243,7 +244,7 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     return out
 
 
-def _mode(how: str, kind: str) -> int:
+def residual_mode(how: str, kind: str) -> int:
     """A residual as ``_planes`` names it (``_planes.c``: 1 XOR, 2 and 3 differences)."""
     if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
         raise FormatError(f"unknown residual {how!r} for {kind} words")
