@@ -208,6 +208,35 @@ def test_the_rebase_plan_reads_only_from_kept_steps(tmp_path) -> None:
                                                               ("frozen", "same", 3)}
 
 
+def test_a_rebuild_hands_over_the_earlier_steps_it_goes_through(tmp_path) -> None:
+    """What a re-base codes against: an earlier step's words, taken on the way to a later
+    step's where its lineage passes them (a copy, not the words that later deltas change), and
+    nothing where it does not (a re-keyed tensor, or one whose data lies elsewhere)."""
+    url = str(tmp_path / "r")
+    with tpde.Checkpointer(url, keyframe_every=3) as ck:
+        w, frozen = torch.randn(5000), torch.arange(100)
+        for step in range(5):
+            w = w + 1e-3 * torch.randn(5000)
+            ck.save(step, {"w": w.clone(), "frozen": frozen})
+    chain = Chain(url)
+    seen = {True: 0, False: 0}
+    for step in range(5):
+        for earlier in range(step + 1):
+            passed: dict[str, torch.Tensor] = {}
+            words = chain.materialize(step, ["w", "frozen"], passing={"w": earlier, "frozen": 0},
+                                      passed=passed)
+            assert torch.equal(words["w"], chain.materialize(step, ["w"])["w"])
+            on_way = [at for at, _ in chain._lineage("w", earlier)]
+            through = on_way == [at for at, _ in chain._lineage("w", step)][: len(on_way)]
+            seen[through] += 1
+            if through:
+                assert torch.equal(passed["w"], chain.materialize(earlier, ["w"])["w"])
+            else:  # re-keyed between the two steps
+                assert "w" not in passed
+            assert torch.equal(passed["frozen"], frozen)  # unchanged: its data is step 0's
+    assert seen[True] and seen[False]
+
+
 @pytest.mark.parametrize("resident", ["host", "store"])
 def test_a_mount_computes_on_through_a_rebase_of_what_it_reads(tmp_path, resident: str) -> None:
     url = str(tmp_path / "r")

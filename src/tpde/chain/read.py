@@ -114,12 +114,14 @@ def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Ten
 
 
 def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None], *,
-                     at: int, final: dict[str, int], into: dict[str, torch.Tensor]
-                     ) -> torch.Tensor:
+                     at: int, final: dict[str, int], into: dict[str, torch.Tensor],
+                     taken: dict[str, int], passed: dict[str, torch.Tensor]) -> torch.Tensor:
     """``_rebuild`` and ``_check`` on the host, where the decompressed sections can go as soon
     as their record is rebuilt (a GPU's stay until the device is done with them). A record
     with a place in ``into`` is decoded there from its keyframe on, or, where its codecs
-    could not work in place, copied there once rebuilt at step ``final[name]``."""
+    could not work in place, copied there once rebuilt at step ``final[name]``. Words that
+    ``materialize``'s caller asked for on the way (rebuilt at ``taken[name]``) are copied
+    into ``passed`` here, beside the other rebuilds: the next delta changes them in place."""
     r = job[0]
     dest = into.get(r.name)
     try:
@@ -127,6 +129,8 @@ def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, Non
     finally:
         if isinstance(job[2], dict):
             job[2].clear()
+    if taken.get(r.name) == at:
+        passed[r.name] = words.clone()
     if dest is not None and final[r.name] == at and words.data_ptr() != dest.data_ptr():
         dest.copy_(words)
         return dest
@@ -258,8 +262,9 @@ class Reader(ChainBase):
                     problems: list[Problem] | None = None, check_every: bool = False,
                     check: bool = True, progress: Progress | None = None,
                     on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES,
-                    look_ahead: bool = True, into: dict[str, torch.Tensor] | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    look_ahead: bool = True, into: dict[str, torch.Tensor] | None = None,
+                    passing: dict[str, int] | None = None,
+                    passed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
@@ -275,6 +280,10 @@ class Reader(ChainBase):
         ``into`` gives host words (views of a larger buffer, say) that records are rebuilt in
         instead of new tensors, by name; the words returned for them are those.
 
+        ``passing`` names, by tensor, an earlier step whose words the caller wants too (a
+        re-base codes a step against an earlier one it is rebuilt from): where the rebuild
+        goes through them, a hash-checked copy is put in ``passed``, by name.
+
         A read that finds data gone because the run's writer re-based the steps it reads
         (``gc``) starts again from the rewritten manifests: the words are the same.
         """
@@ -283,7 +292,8 @@ class Reader(ChainBase):
             found: list[Problem] | None = None if problems is None else []
             try:
                 words = self._materialize(step, names, found, check_every, check, progress, on,
-                                          batch_bytes, look_ahead, into or {})
+                                          batch_bytes, look_ahead, into or {}, passing or {},
+                                          {} if passed is None else passed)
             except CorruptionError:
                 if self._stale():
                     continue
@@ -299,12 +309,15 @@ class Reader(ChainBase):
     def _materialize(self, step: int, names: set[str] | None, problems: list[Problem] | None,
                      check_every: bool, check: bool, progress: Progress | None,
                      on: torch.device | None, batch_bytes: int, look_ahead: bool,
-                     into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                     into: dict[str, torch.Tensor], passing: dict[str, int],
+                     passed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``materialize``, once."""
         target = self.manifest(step)
         wanted = [r for r in target.records if names is None or r.name in names]
         plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
         final: dict[str, int] = {}  # the step whose record gives each name its final words
+        taken: dict[str, int] = {}  # the step after whose record ``passing``'s words are taken
+        passed.clear()  # of an attempt that found the run rewritten
         failed: set[str] = set()
 
         def fail(exc: TPDEError, at: int, name: str) -> None:
@@ -320,8 +333,13 @@ class Reader(ChainBase):
             except TPDEError as exc:
                 fail(exc, step, rec.name)
                 continue
+            if rec.name in passing:
+                on_way = self._lineage(rec.name, passing[rec.name])
+                if lineage[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
+                    taken[rec.name] = on_way[-1][0]
             for i, (at, r) in enumerate(lineage):
-                plan[at].append((r, check_every or (check and i == len(lineage) - 1)))
+                plan[at].append((r, check_every or (check and i == len(lineage) - 1)
+                                 or taken.get(rec.name) == at))
             final[rec.name] = lineage[-1][0]
         current: dict[str, torch.Tensor] = {}
         # (step, batch) in step order; each is prepared while the one before is rebuilt.
@@ -379,7 +397,8 @@ class Reader(ChainBase):
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
                 if backend is None:
                     rebuilt = _in_runs(spread, _attempt(partial(_rebuild_checked, at=at,
-                                                                final=final, into=into)),
+                                                                final=final, into=into,
+                                                                taken=taken, passed=passed)),
                                        [(job,) for job in jobs], [j[0].raw_bytes for j in jobs])
                 else:
                     # Kernels are launched from this thread, one record after another (the
@@ -398,6 +417,8 @@ class Reader(ChainBase):
                             fail(done, at, r.name)
                         continue
                     current[r.name] = done
+                    if taken.get(r.name) == at and r.name not in passed:  # rebuilt on a device
+                        passed[r.name] = done.clone()
                     if progress:
                         progress(r.raw_bytes)
                 del prepared, jobs, rebuilt  # this batch's sections, before the next is waited on

@@ -15,6 +15,8 @@ import dataclasses
 import time
 from typing import Iterable
 
+import torch
+
 from .. import codec, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
 from ..manifest import Manifest, Record, format_for
@@ -136,13 +138,18 @@ class Retainer(Writer):
                                                 grid=key.grid, scale=key.scale, hash=key.hash),
                             _sections(key, framed)))
         if recode:
-            words = self.materialize(old.step, [r.name for r in recode])
+            passing = {r.name: v for r in recode if (v := plan[r.name].against) is not None
+                       and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every}
+            # The words of the step each record is re-coded against are mostly on the way to
+            # its own: G's re-bases decoded both in full, half of their decoding.
+            passed: dict[str, torch.Tensor] = {}
+            words = self.materialize(old.step, [r.name for r in recode], passing=passing,
+                                     passed=passed)
             against: dict[int, list[str]] = {}
-            for r in recode:
-                v = plan[r.name].against
-                if v is not None and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every:
-                    against.setdefault(v, []).append(r.name)
-            refs = {}
+            for tensor, v in passing.items():
+                if tensor not in passed:
+                    against.setdefault(v, []).append(tensor)
+            refs = {(passing[n], n): w for n, w in passed.items()}
             for v, names in against.items():
                 refs.update({(v, n): w for n, w in self.materialize(v, names).items()})
             for r in recode:
