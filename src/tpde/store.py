@@ -33,6 +33,9 @@ OP_TIMEOUT_S, MIN_RATE = 120.0, 1 << 20
 #: still being coded, so that the fsync before its commit has little left to wait for
 #: (200 MB keyframe: the fsync took 55-90 ms, 5-6 ms with this).
 WRITEBACK_BYTES = 16 << 20
+#: A local blob's write buffer: the frames of small tensors are a few kB each, and with
+#: Python's default of 8 kB every other one was a system call of its own.
+WRITE_BUFFER = 1 << 20
 
 
 _UNREACHABLE = ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
@@ -343,7 +346,7 @@ class BlobWriter:
         try:
             if store.local:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                self._f: BinaryIO = open(path, "wb")
+                self._f: BinaryIO = open(path, "wb", buffering=WRITE_BUFFER)
             else:
                 self._f = store.fs.open(path, "wb")
         except OSError as exc:

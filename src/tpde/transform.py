@@ -24,6 +24,9 @@ RESIDUAL_SLICE, HOST_SLICE = 1 << 20, 1 << 18
 
 def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     """The tensor's bits as a flat contiguous array of signed words (a copy only if needed)."""
+    if t.element_size() == word_dtype.itemsize and t.is_contiguous():
+        # One view, not four: a save of 1000 small tensors spent 5% of its samples here.
+        return t.view(-1).view(word_dtype)
     return t.contiguous().reshape(-1).view(torch.uint8).view(word_dtype)
 
 
