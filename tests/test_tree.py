@@ -57,3 +57,26 @@ def test_views_of_one_storage_become_one_span_and_stay_views() -> None:
     out = tree.unflatten(json.loads(json.dumps(flat.skeleton)), [flat.spans[0].tensor.clone()])
     out["a"][3] = -1.0
     assert out["b"][0] == -1.0  # still sharing memory, as with torch.save
+
+
+@given(shape=st.lists(st.integers(0, 4), min_size=0, max_size=3), data=st.data())
+def test_a_tensor_s_extent_is_the_storage_it_touches(shape: list[int], data) -> None:
+    """Contiguous or not (transposed, sliced, broadcast): from the first element to one past
+    the last one it reads."""
+    t = torch.arange(200, dtype=torch.float32)[data.draw(st.integers(0, 10)):]
+    t = t[: int(torch.tensor(shape).prod())].reshape(shape) if shape else t[0]
+    if t.dim() >= 2 and data.draw(st.booleans()):
+        t = t.transpose(0, 1)
+    if t.dim() >= 1 and t.shape[0] > 1 and data.draw(st.booleans()):
+        t = t[:: data.draw(st.integers(1, 2))]
+    if t.dim() >= 1 and data.draw(st.booleans()):
+        t = t.unsqueeze(0).expand(3, *t.shape)
+    if not t.numel():
+        assert tree._extent(t) == (t.storage_offset(), t.storage_offset())
+        return
+    # Each element's storage index, from the strides: the first and last one touched.
+    index = t.storage_offset() + sum(
+        torch.arange(n).reshape([-1 if d == i else 1 for d in range(t.dim())]) * s
+        for i, (n, s) in enumerate(zip(t.shape, t.stride()))) if t.dim() else \
+        torch.tensor(t.storage_offset())
+    assert tree._extent(t) == (int(index.min()), int(index.max()) + 1)

@@ -58,10 +58,12 @@ def _storable(t: torch.Tensor) -> bool:
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) storage elements a strided tensor touches."""
-    if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset(), last + 1
+    first, count = t.storage_offset(), t.numel()
+    if count == 0:
+        return first, first
+    if t.is_contiguous():  # most tensors: no walk over the shape in Python
+        return first, first + count
+    return first, first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
 
 
 def flatten(state: Any) -> Flat:
