@@ -9,6 +9,11 @@ deep (``keyframe_every=16``) against a keyframe of the same chain. tpde runs wit
 threads, the process held to 1 and 2 cores. Every figure is the median of ``--repeats`` runs;
 MB/s is the state's raw size over the wall time.
 
+Where ``/dev/shm`` is a RAM-backed file system, both saves run there too ("in RAM" rows): the
+same system calls as writing to the page cache, while a tpde save's fsync costs nothing. Those
+rows time the work of each format without the disk, whose speed moves a lot from one second
+to the next on a shared machine (and which a tpde save waits for, where ``torch.save`` does not).
+
     python benchmarks/speed_bench.py [--repeats 3] [--json PATH]
 """
 
@@ -78,6 +83,8 @@ def main() -> None:
     chain = states(16)
     raw = sum(t.numel() * t.element_size() for t in chain[0].values()) / 1e6
     root = tempfile.mkdtemp(prefix="tpde-speed-")
+    ram = tempfile.mkdtemp(prefix="tpde-speed-", dir="/dev/shm") \
+        if os.path.isdir("/dev/shm") else None
     runs: dict[str, list[float]] = {}
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -111,6 +118,23 @@ def main() -> None:
                 finally:
                     pin(cores)
                 shutil.rmtree(url)
+            if ram is not None:
+                path = os.path.join(ram, "plain.pt")
+                note("torch.save, in RAM", timed(lambda: torch.save(chain[0], path)))
+                os.remove(path)
+                for threads in (1, 2):
+                    url = os.path.join(ram, f"run{threads}")
+                    pin(cores[:threads])
+                    try:
+                        ck = tpde.Checkpointer(url, threads=threads)
+                        note(f"keyframe save, in RAM, {threads} thr",
+                             timed(lambda: ck.save(0, chain[0])))
+                        note(f"delta save, in RAM, {threads} thr",
+                             timed(lambda: ck.save(1, chain[1])))
+                        ck.close()
+                    finally:
+                        pin(cores)
+                    shutil.rmtree(url)
         deep = os.path.join(root, "deep")
         ck = tpde.Checkpointer(deep, keyframe_every=16)
         for step, state in enumerate(chain):
@@ -123,6 +147,8 @@ def main() -> None:
             note("restore its keyframe", timed(lambda: reader.load(0)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if ram is not None:
+            shutil.rmtree(ram, ignore_errors=True)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     rows = {k: {"seconds": round(s, 3), "MBps": round(raw / s)} for k, s in medians.items()}
     ratios = {
@@ -133,6 +159,15 @@ def main() -> None:
             medians["torch.save + fsync"] / medians["keyframe save, 2 thr"],
         "delta save / torch.save + fsync (2 thr)":
             medians["torch.save + fsync"] / medians["delta save, 2 thr"],
+        **({"keyframe save / torch.save, in RAM (2 thr)":
+            medians["torch.save, in RAM"] / medians["keyframe save, in RAM, 2 thr"],
+            "delta save / torch.save, in RAM (2 thr)":
+            medians["torch.save, in RAM"] / medians["delta save, in RAM, 2 thr"],
+            "keyframe save in RAM, 2 thr / 1 thr":
+            medians["keyframe save, in RAM, 1 thr"] / medians["keyframe save, in RAM, 2 thr"],
+            "delta save in RAM, 2 thr / 1 thr":
+            medians["delta save, in RAM, 1 thr"] / medians["delta save, in RAM, 2 thr"]}
+           if ram else {}),
         "restore latest / torch.load (2 thr)":
             medians["torch.load"] / medians["restore latest (1 delta), 2 thr"],
         "15 deep / keyframe (time)":
