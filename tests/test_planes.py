@@ -104,7 +104,9 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
     planes = np.empty(40, dtype=np.uint8)
     with pytest.raises(ValueError):
-        frames.native.split(rows, None, 4, planes, 10, 1)  # a residual without its reference
+        frames.native.split(rows, rows, 4, planes, 10, 0)  # a residual needs a residual's mode
+    with pytest.raises(ValueError):
+        frames.native.split(rows, rows[:9], 4, planes, 10, 1)  # a reference of other words
     with pytest.raises(ValueError):
         frames.native.split(rows, rows, 4, planes, 9, 2)  # planes of 9 bytes for 10 words
     with pytest.raises(ValueError):

@@ -84,6 +84,12 @@ def raw_sizes(raw: int, chunk: int) -> list[int]:
     return [chunk] * full + ([rest] if rest else [])
 
 
+#: The fewest slices of a frame's words over which ``_columns`` splits a residual: the frame
+#: threads take whole slices, and fewer leave one thread with a large share (3 slices of a
+#: 2.4 MB fp32 residual on 2 threads: 0.98 ms, against 0.83 made whole first).
+MIN_COLUMNS = 8
+
+
 def compress(data: memoryview | bytes, *, level: int | None = DEFAULT_LEVEL,
              chunk: int = DEFAULT_CHUNK, threads: int | None = None) -> Section:
     """Compress ``data`` chunk by chunk on the CPU, on ``threads`` of the frame threads."""
@@ -117,7 +123,7 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     if against is not None:
         if -(-n // chunk) >= MIN_COLUMNS:
             return _columns(rows, against, mode, level, chunk, threads)
-        residual = np.empty_like(rows)  # small: from malloc's heap, already faulted in
+        residual = np.empty_like(rows)  # made whole, then gathered as a keyframe's words are
         native.diff(rows, against, width, residual, mode)
         rows = residual
     starts = range(0, raw, chunk)
@@ -142,12 +148,6 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     return Section(raw, chunk, tuple(out))
 
 
-#: The fewest slices of a frame's words over which ``_columns`` splits a residual: the frame
-#: threads take whole slices, and fewer leave one thread with a large share (3 slices of a
-#: 2.4 MB fp32 residual on 2 threads: 0.98 ms, against 0.83 made whole first).
-MIN_COLUMNS = 8
-
-
 def _pieces(start: int, size: int, n: int) -> list[tuple[int, int, int]]:
     """The (plane, first word, words) pieces of the stream bytes ``start:start + size`` of
     byte planes of ``n`` words."""
@@ -160,11 +160,11 @@ def _pieces(start: int, size: int, n: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _columns(rows: np.ndarray, against: np.ndarray | None, mode: int, level: int | None,
+def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None,
              chunk: int, threads: int | None) -> Section:
-    """``compress_planes`` a slice of words at a time: each frame is given to the slice that
-    holds the middle of its largest piece, the slice's words (or residual) are split into all
-    their planes in one pass (``_planes.split``, into a buffer of the thread that stays in
+    """``compress_planes`` of a residual a slice of words at a time: each frame is given to the
+    slice that holds the middle of its largest piece, the slice's residual is split into all
+    its planes in one pass (``_planes.split``, into a buffer of the thread that stays in
     cache), and the slice's frames are compressed from there, a frame within one plane without
     a copy. The words are read once, not once per plane, and a residual is never made whole:
     a 64 MiB piece's ``sub`` residual and its planes took 45 ms (33 of them faulting in the
@@ -190,8 +190,7 @@ def _columns(rows: np.ndarray, against: np.ndarray | None, mode: int, level: int
     out: list[bytes] = [b""] * -(-raw // chunk)
 
     def split(lo: int, hi: int, planes: np.ndarray, room: int) -> None:
-        native.split(rows[lo:hi], None if against is None else against[lo:hi], width, planes,
-                     room, mode)
+        native.split(rows[lo:hi], against[lo:hi], width, planes, room, mode)
 
     def work(mine: range) -> None:
         cctx = _compressor(level, chunk)
