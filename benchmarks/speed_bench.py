@@ -93,6 +93,24 @@ def main() -> None:
     def note(name: str, seconds: float) -> None:
         runs.setdefault(name, []).append(seconds)
 
+    def saves(url: str, threads: int, label: str, restores: bool = False) -> None:
+        """A keyframe and a delta saved into ``url`` on ``threads`` threads, held to that many
+        cores (torch's own threads and tpde's decode threads follow the cores they are given);
+        with ``restores``, both steps read back."""
+        pin(cores[:threads])
+        try:
+            ck = tpde.Checkpointer(url, threads=threads)
+            note(f"keyframe save, {label}", timed(lambda: ck.save(0, chain[0])))
+            note(f"delta save, {label}", timed(lambda: ck.save(1, chain[1])))
+            ck.close()
+            if restores:
+                reader = tpde.Checkpointer(url, threads=threads)
+                note(f"restore latest (1 delta), {label}", timed(lambda: reader.load(1)))
+                note(f"restore keyframe, {label}", timed(lambda: reader.load(0)))
+        finally:
+            pin(cores)
+        shutil.rmtree(url)
+
     try:
         for _ in range(args.repeats):
             path = os.path.join(root, "plain.pt")
@@ -102,39 +120,14 @@ def main() -> None:
             note("torch.load", timed(lambda: torch.load(path)))
             os.remove(path)
             for threads in (1, 2):
-                url = os.path.join(root, f"run{threads}")
-                # On that many cores, not only threads: torch's own threads and tpde's decode
-                # threads follow the cores they are given.
-                pin(cores[:threads])
-                try:
-                    ck = tpde.Checkpointer(url, threads=threads)
-                    note(f"keyframe save, {threads} thr", timed(lambda: ck.save(0, chain[0])))
-                    note(f"delta save, {threads} thr", timed(lambda: ck.save(1, chain[1])))
-                    ck.close()
-                    reader = tpde.Checkpointer(url, threads=threads)
-                    note(f"restore latest (1 delta), {threads} thr",
-                         timed(lambda: reader.load(1)))
-                    note(f"restore keyframe, {threads} thr", timed(lambda: reader.load(0)))
-                finally:
-                    pin(cores)
-                shutil.rmtree(url)
+                saves(os.path.join(root, f"run{threads}"), threads, f"{threads} thr",
+                      restores=True)
             if ram is not None:
                 path = os.path.join(ram, "plain.pt")
                 note("torch.save, in RAM", timed(lambda: torch.save(chain[0], path)))
                 os.remove(path)
                 for threads in (1, 2):
-                    url = os.path.join(ram, f"run{threads}")
-                    pin(cores[:threads])
-                    try:
-                        ck = tpde.Checkpointer(url, threads=threads)
-                        note(f"keyframe save, in RAM, {threads} thr",
-                             timed(lambda: ck.save(0, chain[0])))
-                        note(f"delta save, in RAM, {threads} thr",
-                             timed(lambda: ck.save(1, chain[1])))
-                        ck.close()
-                    finally:
-                        pin(cores)
-                    shutil.rmtree(url)
+                    saves(os.path.join(ram, f"run{threads}"), threads, f"in RAM, {threads} thr")
         deep = os.path.join(root, "deep")
         ck = tpde.Checkpointer(deep, keyframe_every=16)
         for step, state in enumerate(chain):

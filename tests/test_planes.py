@@ -104,13 +104,13 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
     planes = np.empty(40, dtype=np.uint8)
     with pytest.raises(ValueError):
-        frames.native.split(rows, rows, 4, planes, 10, 0)  # a residual needs a residual's mode
+        frames.native.diff(rows, rows, 4, planes, 0, 10)  # a residual needs a residual's mode
     with pytest.raises(ValueError):
-        frames.native.split(rows, rows[:9], 4, planes, 10, 1)  # a reference of other words
+        frames.native.diff(rows, rows[:9], 4, planes, 1, 10)  # a reference of other words
     with pytest.raises(ValueError):
-        frames.native.split(rows, rows, 4, planes, 9, 2)  # planes of 9 bytes for 10 words
+        frames.native.diff(rows, rows, 4, planes, 2, 9)  # planes of 9 bytes for 10 words
     with pytest.raises(ValueError):
-        frames.native.split(rows, rows, 4, planes, 11, 2)  # 4 planes of 11 bytes in 40
+        frames.native.diff(rows, rows, 4, planes, 2, 11)  # 4 planes of 11 bytes in 40
 
 
 @PATHS

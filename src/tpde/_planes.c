@@ -10,9 +10,9 @@
  *   join(parts, width, rows, mode)     words from their parts of all planes at once (a restore's
  *                                      slice, straight from the decompressed frames), stored, or
  *                                      applied as a residual to the words in rows
- *   split(new, ref, width, out, cap, mode)  the byte planes of new's residual against ref,
- *                                      all at once (a save's slice), plane k at out + k * cap
- *   diff(new, ref, width, out, mode)   the residual of new against ref
+ *   diff(new, ref, width, out, mode, cap=0)  the residual of new against ref; with cap, its
+ *                                      byte planes all at once (a save's slice), plane k at
+ *                                      out + k * cap
  *   apply(residual, width, rows, mode) a residual's words applied to rows
  *   changed(new, ref, width, out=None) how many words differ, and where (a sparse delta)
  *
@@ -33,7 +33,7 @@
 #endif
 
 enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3 };
-enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once by split */
+enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when split into planes */
 
 #define WORDS(T, S, W)                                                                      \
     static void take_##W(const unsigned char *rows, int k, Py_ssize_t m, unsigned char *out) { \
@@ -270,44 +270,31 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* diff(new, ref, width, out, mode, cap=0): the residual's words into out; with cap, its byte
+ * planes, plane k at out + k * cap (a save's slice, split as it is worked out). */
 static PyObject *diff(PyObject *self, PyObject *args) {
     Py_buffer a, b, out;
     int width, mode;
-    if (!PyArg_ParseTuple(args, "y*y*iw*i", &a, &b, &width, &out, &mode)) return NULL;
-    int bad = check_words(&a, &out, width, mode, XOR) || check_words(&b, &out, width, mode, XOR);
-    if (!bad) {
-        const unsigned char *pa = (const unsigned char *)a.buf;
-        const unsigned char *pb = (const unsigned char *)b.buf;
-        unsigned char *o = (unsigned char *)out.buf;
-        Py_ssize_t m = out.len / width;
-        Py_BEGIN_ALLOW_THREADS
-#define DIFF(W) diff_##W(pa, pb, m, o, mode)
-        BY_WIDTH(width, DIFF)
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&out);
-    if (bad) return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *split(PyObject *self, PyObject *args) {
-    Py_buffer a, b, out;
-    int width, mode;
-    Py_ssize_t cap;
-    if (!PyArg_ParseTuple(args, "y*y*iw*ni", &a, &b, &width, &out, &cap, &mode)) return NULL;
+    Py_ssize_t cap = 0;
+    if (!PyArg_ParseTuple(args, "y*y*iw*i|n", &a, &b, &width, &out, &mode, &cap)) return NULL;
     int bad = check_words(&a, &b, width, mode, XOR);
     Py_ssize_t m = bad ? 0 : a.len / width;
-    if (!bad && (cap < m || cap > out.len / width || out.len < cap * width))
+    if (!bad && !cap)
+        bad = check_words(&a, &out, width, mode, XOR);
+    else if (!bad && (cap < m || cap > out.len / width || out.len < cap * width))
         bad = fail("planes out of range of the words");
     if (!bad) {
         const unsigned char *pa = (const unsigned char *)a.buf;
         const unsigned char *pb = (const unsigned char *)b.buf;
         unsigned char *o = (unsigned char *)out.buf;
         Py_BEGIN_ALLOW_THREADS
+        if (cap) {
 #define SPLIT(W) split_##W(pa, pb, m, o, cap, mode)
-        BY_WIDTH(width, SPLIT)
+            BY_WIDTH(width, SPLIT)
+        } else {
+#define DIFF(W) diff_##W(pa, pb, m, o, mode)
+            BY_WIDTH(width, DIFF)
+        }
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&a);
@@ -363,11 +350,9 @@ static PyMethodDef methods[] = {
     {"join", join, METH_VARARGS,
      "join(parts, width, rows, mode): words from a part of each of their byte planes (byte k "
      "of word j is parts[k][j]), stored (mode 0) or applied to rows as a residual (modes 1-3)."},
-    {"split", split, METH_VARARGS,
-     "split(new, ref, width, out, cap, mode): the residual (modes 1-3) of new against ref "
-     "as byte planes, plane k at out[k * cap:]."},
     {"diff", diff, METH_VARARGS,
-     "diff(new, ref, width, out, mode): the residual (modes 1-3) of new against ref."},
+     "diff(new, ref, width, out, mode, cap=0): the residual (modes 1-3) of new against ref; "
+     "with cap, as byte planes, plane k at out[k * cap:]."},
     {"apply", apply, METH_VARARGS,
      "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows."},
     {NULL, NULL, 0, NULL},

@@ -137,10 +137,10 @@ def plane_chunk(words: int, target: int) -> int:
     return max(frames.MIN_CHUNK, min(frames.MAX_CHUNK, -(-words // per_plane)))
 
 
-def _compress(words: torch.Tensor, s: Settings, *, against: torch.Tensor | None = None,
+def _compress(words: torch.Tensor, s: Settings, *, against: np.ndarray | None = None,
               mode: int = 0) -> frames.Section:
-    """The words' byte planes compressed; with ``against`` (host words that ``_planes``
-    takes), those of their residual in ``mode``."""
+    """The words' byte planes compressed; with ``against`` (the reference's words as
+    ``native_rows`` gives them), those of their residual in ``mode``."""
     chunk = plane_chunk(words.numel(), s.chunk)
     if words.is_cuda:
         from tpde.kernels import nvcomp
@@ -148,10 +148,8 @@ def _compress(words: torch.Tensor, s: Settings, *, against: torch.Tensor | None 
         if nvcomp.available():
             return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
     # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
-    width = words.element_size()
-    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, width)
-    ref = None if against is None else against.view(torch.uint8).numpy().reshape(-1, width)
-    return frames.compress_planes(rows, against=ref, mode=mode, level=s.level, chunk=chunk,
+    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, words.element_size())
+    return frames.compress_planes(rows, against=against, mode=mode, level=s.level, chunk=chunk,
                                   threads=s.threads)
 
 
@@ -318,8 +316,9 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
             a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
         if name == "key":
             return _compress(a, s)
-        if native_rows(a, b):
-            return _compress(a, s, against=b, mode=residual_mode(how, kind))
+        rows = native_rows(a, b)
+        if rows:
+            return _compress(a, s, against=rows[1], mode=residual_mode(how, kind))
         return _compress(residual(a, b, how, kind), s)
 
     built: dict[tuple[str, str | None], frames.Section] = {}

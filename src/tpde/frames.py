@@ -164,9 +164,9 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
              chunk: int, threads: int | None) -> Section:
     """``compress_planes`` of a residual a slice of words at a time: each frame is given to the
     slice that holds the middle of its largest piece, the slice's residual is split into all
-    its planes in one pass (``_planes.split``, into a buffer of the thread that stays in
-    cache), and the slice's frames are compressed from there, a frame within one plane without
-    a copy. The words are read once, not once per plane, and a residual is never made whole:
+    its planes in one pass (``_planes.diff`` given a plane size, into a buffer of the thread
+    that stays in cache), and the slice's frames are compressed from there, a frame within one
+    plane without a copy. The words are read once, not once per plane, and a residual is never made whole:
     a 64 MiB piece's ``sub`` residual and its planes took 45 ms (33 of them faulting in the
     residual's fresh pages), and take 10.5 ms split.
 
@@ -177,20 +177,20 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     raw = n * width
     span = min(chunk, n)  # words per slice
     groups: dict[int, list[tuple[int, list[tuple[int, int, int]]]]] = {}
+    windows: dict[int, tuple[int, int]] = {}  # by slice: the words its frames' largest pieces span
     for j, start in enumerate(range(0, raw, chunk)):
         parts = _pieces(start, min(chunk, raw - start), n)
         _, i, m = max(parts, key=lambda p: p[2])
-        groups.setdefault((i + m // 2) // span, []).append((j, parts))
-    windows = {}
-    for g, frames_ in groups.items():
-        mains = [max(parts, key=lambda p: p[2]) for _, parts in frames_]
-        windows[g] = (min(i for _, i, _ in mains), max(i + m for _, i, m in mains))
+        g = (i + m // 2) // span
+        groups.setdefault(g, []).append((j, parts))
+        lo, hi = windows.get(g, (i, i + m))
+        windows[g] = (min(lo, i), max(hi, i + m))
     cap = max(hi - lo for lo, hi in windows.values())
     order = sorted(groups)
     out: list[bytes] = [b""] * -(-raw // chunk)
 
     def split(lo: int, hi: int, planes: np.ndarray, room: int) -> None:
-        native.split(rows[lo:hi], against[lo:hi], width, planes, room, mode)
+        native.diff(rows[lo:hi], against[lo:hi], width, planes, mode, room)
 
     def work(mine: range) -> None:
         cctx = _compressor(level, chunk)
@@ -304,12 +304,16 @@ def take(rows: np.ndarray, k: int, first: int, out: np.ndarray) -> None:
         out[:] = rows[first : first + len(out), k]
 
 
+def native_layout(contiguous: bool, width: int, address: int) -> bool:
+    """Whether ``_planes``' word loops take words laid out so: they read and write whole
+    words, so the words must be contiguous, aligned to their width, and in the host's order."""
+    return native is not None and contiguous and sys.byteorder == "little" \
+        and width in (1, 2, 4, 8) and address % width == 0
+
+
 def native_words(rows: np.ndarray) -> bool:
-    """Whether ``_planes``' word loops take these words (their bytes, one row per word): they
-    read and write whole words, so the words must be contiguous, aligned to their width, and
-    in the host's order."""
-    return native is not None and rows.flags.c_contiguous and sys.byteorder == "little" \
-        and rows.shape[1] in (1, 2, 4, 8) and rows.ctypes.data % rows.shape[1] == 0
+    """``native_layout`` of words given as their bytes, one row per word."""
+    return rows.flags.c_contiguous and native_layout(True, rows.shape[1], rows.ctypes.data)
 
 
 def join(planes: np.ndarray, rows: np.ndarray) -> None:

@@ -10,8 +10,6 @@ high bytes of nearby floats repeat and the low bytes are noise. Nothing here tou
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import torch
 
@@ -34,16 +32,14 @@ def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 
 def native_rows(*words: torch.Tensor) -> list[np.ndarray] | None:
     """The host words' bytes, one row per word, where ``tpde._planes``' word loops take every
-    one of them (``frames.native_words``: contiguous, aligned, all of one size); None where
-    numpy's path must do the work."""
+    one of them (``frames.native_layout``: contiguous, aligned, all of one size); None where
+    numpy's path must do the work. Asked of the tensors: numpy's address of an array took a
+    microsecond, six times per tensor of a save."""
     n, width = words[0].numel(), words[0].element_size()
-    # frames.native_words' conditions, asked of the tensors: numpy's address of an array took
-    # a microsecond, six times per tensor of a save.
-    if frames.native is None or sys.byteorder != "little" or width not in (1, 2, 4, 8) or any(
-            w.device.type != "cpu" or not w.is_contiguous() or w.numel() != n
-            or w.element_size() != width or w.data_ptr() % width for w in words):
-        return None
-    return [w.numpy().view(np.uint8).reshape(n, width) for w in words]
+    if all(w.device.type == "cpu" and w.numel() == n and w.element_size() == width
+           and frames.native_layout(w.is_contiguous(), width, w.data_ptr()) for w in words):
+        return [w.numpy().view(np.uint8).reshape(n, width) for w in words]
+    return None
 
 
 def shuffle(words: torch.Tensor) -> torch.Tensor:
