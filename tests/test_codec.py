@@ -377,9 +377,10 @@ def test_a_residual_needs_words_that_the_c_loops_take() -> None:
         frames.compress_planes(rows, against=odd, mode=1)
 
 
-def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy() -> None:
+def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy(monkeypatch) -> None:
     """Two encode tasks spread frames at once; a part the frame threads have not started is
     done by the caller, never waited for (here the threads are held until the end)."""
+    monkeypatch.setattr(frames, "SPREAD_BYTES", 1)
     pool = frames._frame_pool()
     gate = threading.Event()
     held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
@@ -396,3 +397,25 @@ def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy() -> No
         for f in held:
             f.result()
     assert done[0] == frames.compress_planes(rows, chunk=1 << 16, threads=1)
+
+
+def test_one_compressor_per_window_makes_the_frames_of_a_fresh_one_for_each_chunk() -> None:
+    """Each tensor size gets its own chunk (``codec.plane_chunk``); a thread keeps one
+    compressor per window those chunks need, and its frames are those of a compressor made
+    for the chunk alone."""
+    rng = np.random.default_rng(1)
+    chunks = [codec.plane_chunk(n, frames.DEFAULT_CHUNK) for n in range(70_000, 700_000, 9_001)]
+    assert len(set(chunks)) > 20
+    data = rng.integers(0, 4, 1 << 20, dtype=np.uint8).tobytes()
+    held: list[set] = []
+
+    def thread() -> None:  # a thread of its own: none of its compressors made before
+        for chunk in chunks:
+            fresh = frames.compressor(None, chunk).compress(data[:chunk])
+            assert frames._compressor(None, chunk).compress(data[:chunk]) == fresh
+        held.append(set(frames._local.compressors))
+
+    worker = threading.Thread(target=thread)
+    worker.start()
+    worker.join()
+    assert held == [{(None, max(10, (c - 1).bit_length())) for c in chunks}]
