@@ -257,3 +257,31 @@ def test_a_mount_computes_on_through_a_rebase_of_what_it_reads(tmp_path, residen
         assert report.rebased_steps == [3]
         assert torch.equal(mounted(x), want)  # decoded again (budget 0), bit-exact
         mounted.tpde_mount.close()
+
+
+def test_a_rebase_keeps_a_records_coding_where_it_holds_and_chooses_again_where_not(
+        tmp_path) -> None:
+    """A re-based record is first coded as it was saved (the writer's carried choice); a
+    coding that no longer fits its new reference is chosen again in full. ``m`` changed 3 of
+    its words at step 2 (sparse against step 1), but every word against step 0."""
+    url = str(tmp_path / "r")
+    g = torch.Generator().manual_seed(3)
+    w0, m0 = torch.randn(20_000, generator=g), torch.randn(20_000, generator=g)
+    m1 = torch.randn(20_000, generator=g)
+    m2 = m1.clone()
+    m2[[5, 500, 5000]] = 0.0
+    states = [{"w": w0, "m": m0}, {"w": w0 + 1e-3 * torch.randn(20_000, generator=g), "m": m1}]
+    states.append({"w": states[1]["w"] + 1e-3 * torch.randn(20_000, generator=g), "m": m2})
+    with tpde.Checkpointer(url, keyframe_every=8) as ck:
+        for step, state in enumerate(states):
+            ck.save(step, {k: v.clone() for k, v in state.items()})
+        saved = ck.chain.manifest(2)
+        assert saved.record("m").codec == "sparse" and saved.record("w").codec == "dense"
+        ck.remove(1)
+    chain = Chain(url)
+    rebased = chain.manifest(2)
+    assert rebased.record("w").ref == 0 and rebased.record("m").ref in (0, None)
+    assert (rebased.record("w").codec, rebased.record("w").residual) == \
+        (saved.record("w").codec, saved.record("w").residual)
+    assert rebased.record("m").codec != "sparse"
+    assert_same(states[2], chain.load(2)[0], "step 2")
