@@ -36,7 +36,7 @@ from tpde import codec, dtypes, frames, transform
 from tpde.api import check_reference
 from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
-from tpde.chain.plan import batches, candidates, plan_keys, record_depth
+from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.write import put_sections
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS, Lease
@@ -236,7 +236,8 @@ class Writer(_OnRun, StorageWriter):
         blob = f"{DATA}/{step_name(self.step)}-r{self.rank}-{uuid.uuid4().hex[:12]}.tpd"
         writer = chain.store.open_write(blob)
         prev = chain.manifest(shared.reference) if shared.reference is not None else None
-        per = max(1, min(PIECE_BYTES, self.max_inflight_bytes // 2))
+        most = max(1, self.max_inflight_bytes // 2)
+        per, follow = min(PIECE_BYTES, most), piece_starts(prev)
         results: list[list[Record]] = [[] for _ in items]
         # An item's data is taken from the planner only when its first piece is coded, and
         # let go after its last: a rank never stages its whole state (a GPU's, say) at once.
@@ -245,7 +246,7 @@ class Writer(_OnRun, StorageWriter):
             if item.type == WriteItemType.BYTE_IO:  # small, and its size is known only so
                 held[k] = (_as_tensor(item, planner.resolve_data(item)), "cpu")
         todo = [p for k, item in enumerate(items)
-                for p in _pieces(k, item, held[k][0] if k in held else None, per)]
+                for p in _pieces(k, item, held[k][0] if k in held else None, per, follow, most)]
         left = {k: sum(p.item == k for p in todo) for k in range(len(items))}
         try:
             for batch in batches(todo, [p.nbytes for p in todo], per):
@@ -341,9 +342,10 @@ class _Piece:
         return (self.hi - self.lo) * self.itemsize
 
 
-def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int
-            ) -> list[_Piece]:
-    """The records of item ``k`` (``data``: a byte item's bytes, already taken)."""
+def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int,
+            follow: dict[str, list[int]], most_bytes: int) -> list[_Piece]:
+    """The records of item ``k`` (``data``: a byte item's bytes, already taken), cut as
+    ``plan.cut`` says."""
     if item.type == WriteItemType.BYTE_IO:
         assert data is not None
         base, n, size = item.index.fqn, data.numel(), 1
@@ -352,10 +354,10 @@ def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int
         base = layout.chunk_name(item.index.fqn, chunk.offsets, chunk.sizes)
         n = math.prod(chunk.sizes)
         size = torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
-    per = max(1, per_bytes // size)
-    if n <= per:
+    parts, whole = cut(n, max(1, per_bytes // size), follow.get(base), most_bytes // size)
+    if whole:
         return [_Piece(k, base, None, 0, n, size)]
-    return [_Piece(k, f"{base}/{lo}", lo, lo, min(n, lo + per), size) for lo in range(0, n, per)]
+    return [_Piece(k, f"{base}/{lo}", lo, lo, hi, size) for lo, hi in parts]
 
 
 class Reader(_OnRun, StorageReader):

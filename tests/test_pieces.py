@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import tpde
 from helpers import assert_same
+from tpde.chain.plan import cut
 from tpde.cli import main as cli
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.complex64, torch.int16,
@@ -121,10 +122,13 @@ def test_a_damaged_piece_is_named_and_the_others_still_restore(pieced) -> None:
 
 
 def test_changing_the_piece_size_between_saves_restores_every_step(tmp_path) -> None:
+    """A span the step before stored in pieces is cut the same way while those pieces fit
+    the writer's memory bound (half of ``max_inflight_bytes``), whatever its own piece size:
+    its pieces stay deltas. A span first cut, or cut again, starts from keyframe records."""
     run = str(tmp_path / "run")
     g = torch.Generator().manual_seed(1)
     w, states = torch.randn(20000, generator=g), []
-    for step, inflight in enumerate([1 << 20, 8192, 8192, 30000, 1 << 20]):
+    for step, inflight in enumerate([1 << 20, 8192, 8192, 30000, 1 << 20, 4096]):
         w[step * 7] += 1
         states.append(w.clone())
         with tpde.Checkpointer(run, max_inflight_bytes=inflight, reference="store") as ck:
@@ -133,10 +137,10 @@ def test_changing_the_piece_size_between_saves_restores_every_step(tmp_path) -> 
             ck.save(step, {"w": w})
     for step, expected in enumerate(states):
         assert torch.equal(tpde.Checkpointer(run).load(step)["w"], expected)
-    codecs = [{r.codec for r in tpde.Checkpointer(run).chain.manifest(s).records}
-              for s in range(5)]
-    # Same piece names as the step before: deltas; new names: keyframe records.
-    assert codecs == [{"key"}, {"key"}, {"sparse", "same"}, {"key"}, {"key"}]
+    chain = tpde.Checkpointer(run).chain
+    codecs = [{r.codec for r in chain.manifest(s).records} for s in range(6)]
+    assert codecs == [{"key"}, {"key"}] + [{"sparse", "same"}] * 3 + [{"key"}]
+    assert [len(chain.manifest(s).records) for s in range(6)] == [1, 20, 20, 20, 20, 40]
 
 
 def test_export_reassembles_spans_under_their_own_names(pieced, tmp_path, capsys) -> None:
@@ -195,3 +199,20 @@ def test_bounded_pieces_restore_within_their_bound(tmp_path) -> None:
             got = reader.load(step)["w"]
         assert got.shape == expected.shape
         assert bool(((got - expected).abs() <= 1e-3 * expected.abs()).all())
+
+
+@given(n=st.integers(1, 5000), per=st.integers(1, 3000), most=st.integers(1, 6000),
+       starts=st.one_of(st.none(), st.lists(st.integers(0, 6000), min_size=1, max_size=8)
+                        .map(lambda xs: sorted(set(xs)))))
+def test_a_span_is_cut_at_its_reference_s_starts_or_afresh(n: int, per: int, most: int,
+                                                          starts: list[int] | None) -> None:
+    parts, whole = cut(n, per, starts, most)
+    assert [lo for lo, _ in parts][0] == 0 and parts[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))  # they tile the span
+    followed = bool(starts) and [lo for lo, _ in parts] == starts and not whole
+    fits = bool(starts) and starts[0] == 0 and starts[-1] < n and all(
+        b - a <= most for a, b in zip(starts, [*starts[1:], n]))
+    assert followed == fits
+    if not followed:
+        assert all(hi - lo <= per for lo, hi in parts) or whole
+        assert whole == (n <= per)

@@ -43,12 +43,39 @@ class Piece:
         return (self.hi - self.lo) * self.span.tensor.element_size()
 
 
-def pieces(flat: tree.Flat, piece_bytes: int) -> Iterator[Piece]:
-    """What a step stores, in order: each span whole, or in pieces of at most ``piece_bytes``."""
+def pieces(flat: tree.Flat, piece_bytes: int, follow: Mapping[str, list[int]],
+           most_bytes: int) -> Iterator[Piece]:
+    """What a step stores, in order: each span whole, or in pieces of at most ``piece_bytes``;
+    a span the reference step stored in pieces (``follow``: their starts by span, from
+    ``piece_starts``), of at most ``most_bytes`` each, in the same pieces."""
     for span in flat.spans:
-        n, per = span.tensor.numel(), max(1, piece_bytes // span.tensor.element_size())
-        for lo in range(0, n, per) if n > per else [0]:
-            yield Piece(span, lo, min(n, lo + per), n <= per)
+        size = span.tensor.element_size()
+        parts, whole = cut(span.tensor.numel(), max(1, piece_bytes // size),
+                           follow.get(span.name), most_bytes // size)
+        for lo, hi in parts:
+            yield Piece(span, lo, hi, whole)
+
+
+def cut(n: int, per: int, starts: list[int] | None, most: int
+        ) -> tuple[list[tuple[int, int]], bool]:
+    """Elements ``[lo, hi)`` of each piece of a span of ``n`` elements, and whether the span is
+    stored whole: where the reference step cut it at ``starts`` into pieces of at most ``most``
+    elements, there (a piece is coded against the same piece at the reference, so a writer
+    with another piece size keeps its deltas); otherwise pieces of ``per`` elements, or the
+    whole span if it fits one."""
+    if starts and starts[0] == 0 and starts[-1] < n:
+        ends = [*starts[1:], n]
+        if all(0 < b - a <= most for a, b in zip(starts, ends)):
+            return list(zip(starts, ends)), False
+    if n <= per:
+        return [(0, n)], True
+    return [(lo, min(n, lo + per)) for lo in range(0, n, per)], False
+
+
+def piece_starts(m: Manifest | None) -> dict[str, list[int]]:
+    """Where step ``m`` cut each span it stored in pieces, by span name."""
+    return {recs[0].span: [r.start for r in recs] for recs in (m.spans() if m else [])
+            if recs[0].start is not None}
 
 
 T = TypeVar("T")
