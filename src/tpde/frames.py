@@ -110,14 +110,14 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     ``i`` of plane ``k`` is ``rows[i, k]``), without making the planes; with ``against`` (the
     reference's words, the same shape), the planes of their residual (``mode``, numbered as in
     ``_planes.c``) and without making the residual where it spans ``MIN_COLUMNS`` slices of
-    a frame's words or more (``_columns``). The frames are those ``compress`` makes of the
-    shuffled stream.
+    a frame's words or more (``_columns``); a smaller residual is split into all its planes in
+    one pass (3-10% faster than made whole and gathered frame by frame, from 4K to 1.5M fp32
+    words). The frames are those ``compress`` makes of the shuffled stream.
 
-    Otherwise each frame's bytes are gathered plane by plane: for the words themselves
-    (a keyframe) that stays the faster way, as a frame's words are read from memory straight
-    into the cache where they are compressed (``_columns``' slice of every plane of 256K fp32
-    words does not fit one core's L2 here: a 64 MiB keyframe piece took 25 ms that way, 22
-    gathered).
+    The words themselves (a keyframe) are gathered frame by frame, plane by plane: a frame's
+    words are read from memory straight into the cache where they are compressed
+    (``_columns``' slice of every plane of 256K fp32 words does not fit one core's L2 here: a
+    64 MiB keyframe piece took 25 ms that way, 22 gathered).
     """
     n, width = rows.shape
     raw = n * width
@@ -129,9 +129,9 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     if against is not None:
         if -(-n // chunk) >= MIN_COLUMNS:
             return _columns(rows, against, mode, level, chunk, threads)
-        residual = np.empty_like(rows)  # made whole, then gathered as a keyframe's words are
-        native.diff(rows, against, width, residual, mode)
-        rows = residual
+        planes = np.empty(raw, dtype=np.uint8)  # the residual's planes: its shuffled stream
+        native.diff(rows, against, width, planes, mode, n)
+        return compress(planes, level=level, chunk=chunk, threads=threads)
     starts = range(0, raw, chunk)
     out: list[bytes] = [b""] * len(starts)
 
