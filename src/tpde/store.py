@@ -380,7 +380,8 @@ class BlobWriter:
         return at
 
     def _flush(self, end: int) -> None:
-        """The held frames into the local file, up to byte ``end`` of the blob."""
+        """The held frames into the local file (``end``: the blob's size with them), and the
+        bytes written since the last hand-over to the disk, once there are enough."""
         fd, parts = self._f.fileno(), self._pending
         while parts:
             done = os.writev(fd, parts[:WRITE_PARTS]) if _WRITEV else os.write(fd, parts[0])

@@ -174,7 +174,7 @@ class Retainer(Writer):
     def _carried(self, r: Record, step: int) -> codec.Choice | None:
         """The coding ``r`` was saved with, tried first against its new reference as a save
         tries the one its tensor was last coded with (``codec.REVALIDATE``): a re-base coded
-        each record every way, and G's 20 removals spent a third of their time choosing."""
+        each record every way, over a quarter of G's 20 removals."""
         key = self._lineage(r.name, step)[0][1]
         if r.codec not in ("dense", "sparse") or key.codec != "key":
             return None
