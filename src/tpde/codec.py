@@ -515,7 +515,7 @@ def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
     # while the words are applied to the reference.
     data = sections.pop(name)
     if isinstance(data, frames.Framed):
-        return streamed_words(data, word_dtype)
+        return streamed_words(data, word_dtype, out=dest)
     if isinstance(data, frames.Frames):
         return framed_words(data, word_dtype, out=dest)
     if not (isinstance(data, np.ndarray) and data.flags.writeable):

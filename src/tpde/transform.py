@@ -56,14 +56,20 @@ def shuffle(words: torch.Tensor) -> torch.Tensor:
     return planes.reshape(-1)
 
 
-def streamed_words(stream: frames.Framed, word_dtype: torch.dtype) -> torch.Tensor:
+def streamed_words(stream: frames.Framed, word_dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The words of a shuffled stream, read a slice at a time: no copy of the planes beside
-    them, and each slice's words joined in cache from its part of every plane."""
+    them, and each slice's words joined in cache from its part of every plane. ``out`` (host
+    words of the right size) receives them instead of a new buffer."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if len(stream) % width:
         raise FormatError("byte planes do not hold a whole number of words")
     n = len(stream) // width
-    words = torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
+    if out is not None and out.numel() * out.element_size() == n * width \
+            and out.dtype == word_dtype:
+        words = out
+    else:
+        words = torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     for lo in range(0, n, stream.chunk):
         stream.words_into(n, lo, rows[lo : lo + stream.chunk])
