@@ -92,7 +92,8 @@ def raw_sizes(raw: int, chunk: int) -> list[int]:
 
 #: The fewest slices of a frame's words over which ``_columns`` splits a residual: the frame
 #: threads take whole slices, and fewer leave one thread with a large share (3 slices of a
-#: 2.4 MB fp32 residual on 2 threads: 0.98 ms, against 0.83 made whole first).
+#: 2.4 MB fp32 residual on 2 threads: 0.98 ms, against 0.83 made whole first; split whole
+#: into its planes now, as every smaller residual is).
 MIN_COLUMNS = 8
 
 
@@ -143,9 +144,7 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
             if width == 1:  # one plane: the frame is a slice of the caller's buffer, no copy
                 out[j] = cctx.compress(rows[starts[j] : starts[j] + size, 0])
                 continue
-            while at < size:  # a frame may end one plane and start the next
-                k, i = divmod(starts[j] + at, n)
-                m = min(n - i, size - at)
+            for k, i, m in _plane_parts(starts[j], size, n):  # it may end a plane, start the next
                 take(rows, k, i, buf[at : at + m])
                 at += m
             out[j] = cctx.compress(buf[:size])
@@ -154,7 +153,7 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     return Section(raw, chunk, tuple(out))
 
 
-def _pieces(start: int, size: int, n: int) -> list[tuple[int, int, int]]:
+def _plane_parts(start: int, size: int, n: int) -> list[tuple[int, int, int]]:
     """The (plane, first word, words) pieces of the stream bytes ``start:start + size`` of
     byte planes of ``n`` words."""
     out, at = [], 0
@@ -172,9 +171,9 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     slice that holds the middle of its largest piece, the slice's residual is split into all
     its planes in one pass (``_planes.diff`` given a plane size, into a buffer of the thread
     that stays in cache), and the slice's frames are compressed from there, a frame within one
-    plane without a copy. The words are read once, not once per plane, and a residual is never made whole:
-    a 64 MiB piece's ``sub`` residual and its planes took 45 ms (33 of them faulting in the
-    residual's fresh pages), and take 10.5 ms split.
+    plane without a copy. The words are read once, not once per plane, and a residual is never
+    made whole: a 64 MiB piece's ``sub`` residual and its planes took 45 ms (33 of them
+    faulting in the residual's fresh pages), and take 10.5 ms split.
 
     A frame's other pieces (where it ends one plane and starts the next) that lie outside its
     slice's words are split on their own; they are at most a frame each, at the planes' ends.
@@ -185,7 +184,7 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     groups: dict[int, list[tuple[int, list[tuple[int, int, int]]]]] = {}
     windows: dict[int, tuple[int, int]] = {}  # by slice: the words its frames' largest pieces span
     for j, start in enumerate(range(0, raw, chunk)):
-        parts = _pieces(start, min(chunk, raw - start), n)
+        parts = _plane_parts(start, min(chunk, raw - start), n)
         _, i, m = max(parts, key=lambda p: p[2])
         g = (i + m // 2) // span
         groups.setdefault(g, []).append((j, parts))

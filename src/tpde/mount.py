@@ -23,7 +23,7 @@ import torch
 
 from . import dtypes, heap, keys
 from . import entry as entries
-from .chain import Chain, span_words
+from .chain import Chain, span_places, span_words
 from .chain import sharded
 from .errors import CorruptionError, TPDEError
 from .store import Store
@@ -45,6 +45,11 @@ class _Slot:
     @property
     def nbytes(self) -> int:
         return _numel(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
+
+
+def _in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
+    """``count`` words from the heap (``heap.in_heap``), where a memory-first decode's go."""
+    return torch.from_numpy(heap.in_heap(count * word_dtype.itemsize)).view(word_dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -284,15 +289,10 @@ class Mount:
             return whole, into
         m = self.chain.manifest(self.step)
         for *_, s in slots:
-            if len(s.records) < 2 or s.dcp is not None or s.records in whole:
-                continue
-            recs = [m.record(n) for n in s.records]
-            dt = dtypes.by_name(recs[0].dtype)
-            sizes = [r.numel * dt.words_per_element for r in recs]
-            buf = torch.from_numpy(heap.in_heap(sum(sizes) * dt.word_bytes)).view(dt.word_dtype)
-            whole[s.records], at = buf, 0
-            for n, k in zip(s.records, sizes):
-                into[n], at = buf[at : at + k], at + k
+            if len(s.records) > 1 and s.dcp is None and s.records not in whole:
+                whole[s.records], places = span_places([m.record(n) for n in s.records],
+                                                       _in_heap)
+                into.update(places)
         return whole, into
 
     def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

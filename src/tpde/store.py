@@ -371,7 +371,7 @@ class BlobWriter:
             if self.store.local:
                 self._pending.append(data)
                 if at + len(data) - self._written >= WRITE_BUFFER:
-                    self._flush(at + len(data))
+                    self._flush()
             else:  # a part upload may start here
                 _bounded(lambda: self._f.write(data), len(data))
         except Exception as exc:  # remote backends also raise timeouts and client errors
@@ -379,9 +379,9 @@ class BlobWriter:
         self.size += len(data)
         return at
 
-    def _flush(self, end: int) -> None:
-        """The held frames into the local file (``end``: the blob's size with them), and the
-        bytes written since the last hand-over to the disk, once there are enough."""
+    def _flush(self) -> None:
+        """The held frames into the local file, and the bytes written since the last
+        hand-over to the disk, once there are enough."""
         fd, parts = self._f.fileno(), self._pending
         while parts:
             done = os.writev(fd, parts[:WRITE_PARTS]) if _WRITEV else os.write(fd, parts[0])
@@ -393,15 +393,15 @@ class BlobWriter:
             del parts[:whole]
             if done:  # a short write ended inside the next part
                 parts[0] = memoryview(parts[0])[done:]
-        if _WRITEBACK is not None and end - self._handed >= WRITEBACK_BYTES:
-            _WRITEBACK(fd, self._handed, end - self._handed)
-            self._handed = end
+        if _WRITEBACK is not None and self._written - self._handed >= WRITEBACK_BYTES:
+            _WRITEBACK(fd, self._handed, self._written - self._handed)
+            self._handed = self._written
 
     def close(self) -> None:
         """Make the bytes durable (fsync locally; the final multipart PUT on object stores)."""
         try:
             if self.store.local:
-                self._flush(self.size)
+                self._flush()
                 os.fsync(self._f.fileno())
                 self._f.close()
             else:  # the last part and the completing request

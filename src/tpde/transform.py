@@ -56,6 +56,12 @@ def shuffle(words: torch.Tensor) -> torch.Tensor:
     return planes.reshape(-1)
 
 
+def _holds(out: torch.Tensor | None, nbytes: int, word_dtype: torch.dtype) -> bool:
+    """Whether a caller's buffer ``out`` takes ``nbytes`` of words of ``word_dtype``."""
+    return out is not None and out.dtype == word_dtype \
+        and out.numel() * out.element_size() == nbytes
+
+
 def streamed_words(stream: frames.Framed, word_dtype: torch.dtype,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The words of a shuffled stream, read a slice at a time: no copy of the planes beside
@@ -65,11 +71,8 @@ def streamed_words(stream: frames.Framed, word_dtype: torch.dtype,
     if len(stream) % width:
         raise FormatError("byte planes do not hold a whole number of words")
     n = len(stream) // width
-    if out is not None and out.numel() * out.element_size() == n * width \
-            and out.dtype == word_dtype:
-        words = out
-    else:
-        words = torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
+    words = out if _holds(out, n * width, word_dtype) else \
+        torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     for lo in range(0, n, stream.chunk):
         stream.words_into(n, lo, rows[lo : lo + stream.chunk])
@@ -86,11 +89,8 @@ def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
         raise FormatError("byte planes do not hold a whole number of words")
     if not stream.raw:
         return torch.empty(0, dtype=word_dtype)
-    if out is not None and out.numel() * out.element_size() == stream.raw \
-            and out.dtype == word_dtype:
-        words = out
-    else:
-        words = torch.empty(stream.raw // width, dtype=word_dtype)
+    words = out if _holds(out, stream.raw, word_dtype) else \
+        torch.empty(stream.raw // width, dtype=word_dtype)
     frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
                           threads=threads)
     return words

@@ -16,7 +16,7 @@ decisions out.
 
 from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reference
 from .plan import DEFAULT_KEYFRAME_EVERY, AtRest
-from .read import DECODE_BATCH_BYTES, lossy_summary, span_words
+from .read import DECODE_BATCH_BYTES, lossy_summary, span_places, span_words
 from .retain import Retainer
 from .write import PIECE_BYTES
 
@@ -26,4 +26,5 @@ class Chain(Retainer):
 
 
 __all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY", "GcReport",
-           "MARKER", "PIECE_BYTES", "Problem", "REMOVED", "Reference", "STEPS", "lossy_summary", "span_words"]
+           "MARKER", "PIECE_BYTES", "Problem", "REMOVED", "Reference", "STEPS", "lossy_summary",
+           "span_places", "span_words"]

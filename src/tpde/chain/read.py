@@ -137,6 +137,19 @@ def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, Non
     return words
 
 
+def span_places(recs: list[Record], empty: Callable[[int, torch.dtype], torch.Tensor]
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One buffer of host words for a span stored in pieces (``empty(count, word dtype)``
+    makes it), and each piece's place in it, by record name: ``materialize(into=)`` rebuilds
+    the pieces there, not into tensors of their own that are then put together."""
+    dt = dtypes.by_name(recs[0].dtype)
+    sizes = [r.numel * dt.words_per_element for r in recs]
+    whole, places, at = empty(sum(sizes), dt.word_dtype), {}, 0
+    for r, k in zip(recs, sizes):
+        places[r.name], at = whole[at : at + k], at + k
+    return whole, places
+
+
 def span_words(names: Iterable[str], words: dict[str, torch.Tensor],
                device: torch.device | None = None, *, consume: bool = False) -> torch.Tensor:
     """One span's words from the words of its records (named in ``Manifest.spans`` order), on
@@ -504,13 +517,8 @@ class Reader(ChainBase):
             if keep_words or len(recs) < 2 \
                     or tree.resolve_device(recs[0].device, map_location).type != "cpu":
                 continue
-            dt = dtypes.by_name(recs[0].dtype)
-            whole[i] = torch.empty(sum(r.numel for r in recs) * dt.words_per_element,
-                                   dtype=dt.word_dtype)
-            at = 0
-            for r in recs:
-                into[r.name] = whole[i][at : at + r.numel * dt.words_per_element]
-                at += r.numel * dt.words_per_element
+            whole[i], places = span_places(recs, lambda n, dt: torch.empty(n, dtype=dt))
+            into.update(places)
         words = self.materialize(step, [r.name for r in wanted], progress=progress, into=into)
         spans = []
         for i, recs in enumerate(groups):
