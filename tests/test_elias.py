@@ -28,6 +28,18 @@ def test_the_c_and_numpy_coders_write_the_same_stream(gaps: list[int], block: in
         assert np.array_equal(elias.decode(c, limit=2**56, use_native=use_native), p)
 
 
+@pytest.mark.parametrize("block", [1, 3, 256])
+def test_the_c_coder_writes_the_longest_codes_as_numpy_does(block: int) -> None:
+    # Codes of more than 56 bits (gaps from 2**47 on) are written in two parts, after codes of
+    # every other length have left from 0 to 7 bits waiting.
+    gaps = [1, 2, 3, 2**47, 5, 2**55 - 2**48, 1, 7, 2**50, 1, 2**54 - 2**51 - 300]
+    p = np.cumsum(np.array(gaps, dtype=np.int64)) - 1
+    assert p[-1] < 2**56
+    stream = elias.encode(p, block)
+    assert stream == elias.encode(p, block, use_native=False)
+    assert np.array_equal(elias.decode(stream, limit=2**56), p)
+
+
 def code_bits(positions: list[int], block: int = 256) -> str:
     stream = elias.encode(np.array(positions, dtype=np.int64), block)
     count, _, _, nbits = elias.HEADER.unpack_from(stream)

@@ -33,21 +33,25 @@ static uint64_t get_u64(const unsigned char *at) {
     return v;
 }
 
-/* Appends codes most significant bit first: `fill` bits wait in `acc` (fewer than 8 between
- * calls), whole bytes go out as soon as they are complete. */
+/* Appends codes most significant bit first: `fill` bits (fewer than 8 between calls) wait at
+ * the top of `acc`. Every call stores all 8 bytes of `acc` and moves on by the whole bytes it
+ * completed, with no branch (a branch per code mispredicts on codes of a few bits), so the
+ * output has 8 bytes of room past its end. */
 typedef struct {
     unsigned char *out;
     uint64_t acc;
     int fill;
 } Writer;
 
-static inline void put_bits(Writer *w, uint64_t v, int n) { /* 0 <= n <= 56 */
-    w->acc = (w->acc << n) | v;
+static inline void put_bits(Writer *w, uint64_t v, int n) { /* 1 <= n <= 56 */
+    w->acc |= v << (64 - w->fill - n);
     w->fill += n;
-    while (w->fill >= 8) {
-        w->fill -= 8;
-        *w->out++ = (unsigned char)(w->acc >> w->fill);
-    }
+    uint64_t be = __builtin_bswap64(w->acc);
+    memcpy(w->out, &be, 8);
+    int bytes = w->fill >> 3;
+    w->out += bytes;
+    w->acc <<= 8 * bytes;
+    w->fill &= 7;
 }
 
 static inline int code_length(uint64_t gap) {
@@ -108,7 +112,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     Py_ssize_t nsync = (count + block - 1) / block;
     Py_ssize_t size = HEADER_SIZE + 16 * nsync + (Py_ssize_t)((nbits + 7) / 8);
-    PyObject *result = PyBytes_FromStringAndSize(NULL, size);
+    PyObject *result = PyBytes_FromStringAndSize(NULL, size + 8); /* see Writer */
     if (!result) {
         PyBuffer_Release(&view);
         return NULL;
@@ -123,22 +127,33 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     Writer w = {sync + 16 * nsync, 0, 0};
     uint64_t at = 0;
     int64_t prev = -1;
+    Py_ssize_t left = 0; /* codes until the next block starts: no division per code */
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (i % block == 0) {
-            put_u64(sync + 16 * (i / block), at);
-            put_u64(sync + 16 * (i / block) + 8, (uint64_t)(prev + 1));
+        if (left == 0) {
+            put_u64(sync, at);
+            put_u64(sync + 8, (uint64_t)(prev + 1));
+            sync += 16;
+            left = block;
         }
+        left--;
         uint64_t gap = (uint64_t)(p[i] - prev);
         int n = bit_length(gap) - 1;
         int ell = bit_length((uint64_t)n + 1) - 1;
-        put_bits(&w, (uint64_t)n + 1, 2 * ell + 1); /* the L zeros, then N + 1 */
-        put_bits(&w, gap & ((((uint64_t)1) << n) - 1), n);
-        at += (uint64_t)(2 * ell + 1 + n);
+        uint64_t low = gap & ((((uint64_t)1) << n) - 1);
+        int length = 2 * ell + 1 + n;
+        if (length <= 56) { /* the L zeros, N + 1 and the low N bits of the gap, at once */
+            put_bits(&w, (((uint64_t)n + 1) << n) | low, length);
+        } else {
+            put_bits(&w, (uint64_t)n + 1, 2 * ell + 1);
+            put_bits(&w, low, n);
+        }
+        at += (uint64_t)length;
         prev = p[i];
     }
-    if (w.fill) *w.out++ = (unsigned char)(w.acc << (8 - w.fill));
+    if (w.fill) *w.out++ = (unsigned char)(w.acc >> 56);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
+    if (_PyBytes_Resize(&result, size) < 0) return NULL;
     return result;
 }
 
