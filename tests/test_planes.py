@@ -54,12 +54,21 @@ def test_changed_words_are_numpy_s(width: int, n: int, seed: int, density: float
     new[at] += 1
     rows = [w.view(np.uint8).reshape(n, width) for w in (new, ref)]
     assert frames.native.changed(*rows, width) == len(at)
-    out = np.empty(len(at) + 1, dtype=np.int64)
+    out = np.empty(len(at), dtype=np.int64)
     assert frames.native.changed(*rows, width, out) == len(at)
-    assert np.array_equal(out[: len(at)], at)
+    assert np.array_equal(out, at)
+    # With planes, the changed words' XOR residual in byte planes, as numpy makes them.
+    planes = np.full(len(at) * width, 0xAA, dtype=np.uint8)
+    out[:] = -1
+    assert frames.native.changed(*rows, width, out, planes) == len(at)
+    assert np.array_equal(out, at)
+    xor = (new[at] ^ ref[at]).view(np.uint8).reshape(len(at), width)
+    assert np.array_equal(planes.reshape(width, len(at)), xor.T)
     if len(at):
         with pytest.raises(ValueError):  # no room for the last one: refused, not overrun
             frames.native.changed(*rows, width, np.empty(len(at) - 1, dtype=np.int64))
+        with pytest.raises(ValueError):
+            frames.native.changed(*rows, width, out, planes[:-1])
 
 
 @PATHS

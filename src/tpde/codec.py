@@ -21,7 +21,6 @@ Nothing here touches a store.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -248,12 +247,13 @@ def _positions(at: torch.Tensor, s: Settings) -> frames.Section:
 
 
 def _changes(new: torch.Tensor, ref: torch.Tensor
-             ) -> tuple[int, Callable[[], torch.Tensor] | None]:
+             ) -> tuple[int, Callable[..., torch.Tensor] | None, bool]:
     """How many words differ, and (when at most half do: only then is a sparse coding sized) a
     function that finds where, called only when a sparse coding is built: a tensor whose
     carried choice is dense is never searched. The count tells an unchanged tensor too:
     torch.equal reads both in full as well, and took as long as the mask and its count together
-    (10M words: 3.7 ms against 3.7 ms).
+    (10M words: 3.7 ms against 3.7 ms). The flag says whether that function also takes
+    ``planes`` (``count`` bytes per plane), where it puts the changed words' XOR residual.
 
     Host words are counted, and searched, by ``tpde._planes`` without a mask: on C's full chain
     numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
@@ -267,10 +267,10 @@ def _changes(new: torch.Tensor, ref: torch.Tensor
     if rows:
         count = frames.native.changed(*rows, new.element_size())
 
-        def where() -> torch.Tensor:
-            at = np.empty(count + 1, dtype=np.int64)  # one more: see _planes.c, changed()
-            frames.native.changed(*rows, new.element_size(), at)
-            return torch.from_numpy(at[:count])
+        def where(planes: np.ndarray | None = None) -> torch.Tensor:
+            at = np.empty(count, dtype=np.int64)
+            frames.native.changed(*rows, new.element_size(), at, planes)
+            return torch.from_numpy(at)
     elif new.is_cuda or n > NUMPY_WORDS:
         changed = new != ref
         count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
@@ -281,7 +281,7 @@ def _changes(new: torch.Tensor, ref: torch.Tensor
         mask = np.not_equal(new.numpy(), ref.numpy())
         count = int(np.count_nonzero(mask))
         where = lambda: torch.from_numpy(np.flatnonzero(mask))  # noqa: E731
-    return count, where if 0 < count <= n // 2 else None
+    return count, where if 0 < count <= n // 2 else None, bool(rows)
 
 
 def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings,
@@ -290,7 +290,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # A re-key keeps the tensor's delta choice for the deltas after it.
         return Encoding("key", sections={"values": _compress(new, s)}, choice=choice)
     ref = ref.to(new.device, non_blocking=True)
-    count, where = _changes(new, ref)
+    count, where, with_planes = _changes(new, ref)
     if count == 0:
         return Encoding("same", choice=choice)
 
@@ -299,9 +299,15 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     options += [("dense", how) for how in residual_kinds(kind)]
     if where is not None:
         options.append(("sparse", "xor"))
-    # The changed words' positions: searched once, when first asked for.
-    positions = functools.cache(where) if where is not None else None
-    del where
+    # The changed words' positions: searched once, when first asked for, or found with the
+    # values of a full sparse coding (its XOR residual's planes, made in the same pass).
+    found: list[torch.Tensor] = []
+
+    def positions() -> torch.Tensor:
+        if not found:
+            assert where is not None  # asked for only where a sparse coding is an option
+            found.append(where())
+        return found[0]
 
     def build(option: tuple[str, str | None],
               sample: tuple[list[int], int] | None = None) -> frames.Section:
@@ -309,6 +315,12 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         of the sample's windows only, when given. Host residuals are split into planes as they
         are compressed (``frames.compress_planes``), never made whole."""
         name, how = option
+        if name == "sparse" and sample is None and with_planes and not found:
+            assert where is not None
+            planes = np.empty(count * new.element_size(), dtype=np.uint8)
+            found.append(where(planes))
+            return frames.compress(planes, level=s.level, chunk=plane_chunk(count, s.chunk),
+                                   threads=s.threads)
         if name == "sparse":
             at = positions() if sample is None else _windows(positions(), sample)
             a, b, how = _gather(new, at), _gather(ref, at), "xor"
@@ -384,7 +396,8 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     if sizes[best] >= s.key_margin * sizes[("key", None)]:
         best = ("key", None)
     if best[0] != "sparse":
-        positions = None  # not needed any more: freed, with any mask, before the full encode
+        found.clear()  # not needed any more: freed, with any mask, before the full encode
+        where = None
     enc = coded(best, built.get(best) or build(best))
     if best[0] != "key":
         enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
