@@ -160,6 +160,24 @@ def test_a_carried_choice_is_dropped_when_the_data_changes() -> None:
     assert round_trip(new, None, codec.Settings(), choice=chosen).choice == chosen
 
 
+def test_a_sparse_choice_holds_while_fewer_words_change() -> None:
+    # Fewer changed words make a sparse coding smaller beside a dense one: it is kept. More
+    # than DRIFT times as many: chosen again.
+    ref = torch.randn(100_000, generator=torch.Generator().manual_seed(5))
+
+    def every(k: int) -> torch.Tensor:
+        new = ref.clone()
+        new[::k] += 1
+        return new
+
+    chosen = round_trip(every(100), ref, codec.Settings()).choice
+    assert chosen is not None and chosen.option == ("sparse", "xor")
+    enc = round_trip(every(400), ref, codec.Settings(), choice=chosen)
+    assert enc.codec == "sparse" and enc.choice.uses == 1
+    enc = round_trip(every(50), ref, codec.Settings(), choice=chosen)
+    assert enc.choice.uses == 0
+
+
 def test_non_contiguous_and_channels_last_words_are_the_logical_elements() -> None:
     x = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     assert torch.equal(transform.to_words(x, torch.int32),
