@@ -140,9 +140,10 @@ def plane_chunk(words: int, target: int) -> int:
 
 
 def _compress(words: torch.Tensor, s: Settings, *, against: np.ndarray | None = None,
-              mode: int = 0) -> frames.Section:
+              mode: int = 0, rows: np.ndarray | None = None) -> frames.Section:
     """The words' byte planes compressed; with ``against`` (the reference's words as
-    ``native_rows`` gives them), those of their residual in ``mode``."""
+    ``native_rows`` gives them), those of their residual in ``mode``. ``rows``: the words'
+    own, where the caller has them already."""
     chunk = plane_chunk(words.numel(), s.chunk)
     if words.is_cuda:
         from tpde.kernels import nvcomp
@@ -150,7 +151,9 @@ def _compress(words: torch.Tensor, s: Settings, *, against: np.ndarray | None = 
         if nvcomp.available():
             return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
     # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
-    rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1, words.element_size())
+    if rows is None:
+        rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1,
+                                                                        words.element_size())
     return frames.compress_planes(rows, against=against, mode=mode, level=s.level, chunk=chunk,
                                   threads=s.threads)
 
@@ -249,14 +252,15 @@ def _positions(at: torch.Tensor, s: Settings) -> frames.Section:
                            threads=s.threads)
 
 
-def _changes(new: torch.Tensor, ref: torch.Tensor
-             ) -> tuple[int, Callable[..., torch.Tensor] | None, bool]:
+def _changes(new: torch.Tensor, ref: torch.Tensor, rows: list[np.ndarray] | None
+             ) -> tuple[int, Callable[..., torch.Tensor] | None]:
     """How many words differ, and (when at most half do: only then is a sparse coding sized) a
     function that finds where, called only when a sparse coding is built: a tensor whose
     carried choice is dense is never searched. The count tells an unchanged tensor too:
     torch.equal reads both in full as well, and took as long as the mask and its count together
-    (10M words: 3.7 ms against 3.7 ms). The flag says whether that function also takes
-    ``planes`` (``count`` bytes per plane), where it puts the changed words' XOR residual.
+    (10M words: 3.7 ms against 3.7 ms). With ``rows`` (``native_rows`` of both) that function
+    also takes ``planes`` (``count`` bytes per plane), where it puts the changed words' XOR
+    residual.
 
     Host words are counted, and searched, by ``tpde._planes`` without a mask: on C's full chain
     numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
@@ -266,7 +270,7 @@ def _changes(new: torch.Tensor, ref: torch.Tensor
     pieces raised each rank's peak resident set from 74-120 MB to 137-275 MB (why numpy's
     allocations there cost more was not pinned down).
     """
-    n, rows = new.numel(), native_rows(new, ref)
+    n = new.numel()
     if rows:
         count = frames.native.changed(*rows, new.element_size())
 
@@ -284,7 +288,7 @@ def _changes(new: torch.Tensor, ref: torch.Tensor
         mask = np.not_equal(new.numpy(), ref.numpy())
         count = int(np.count_nonzero(mask))
         where = lambda: torch.from_numpy(np.flatnonzero(mask))  # noqa: E731
-    return count, where if 0 < count <= n // 2 else None, bool(rows)
+    return count, where if 0 < count <= n // 2 else None
 
 
 def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings,
@@ -293,7 +297,10 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # A re-key keeps the tensor's delta choice for the deltas after it.
         return Encoding("key", sections={"values": _compress(new, s)}, choice=choice)
     ref = ref.to(new.device, non_blocking=True)
-    count, where, with_planes = _changes(new, ref)
+    # The host words' rows, asked for once (3.7 us a time for two tensors: an encode asked
+    # four times, under the GIL that every encode thread needs).
+    rows = native_rows(new, ref)
+    count, where = _changes(new, ref, rows)
     if count == 0:
         return Encoding("same", choice=choice)
 
@@ -318,7 +325,7 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         of the sample's windows only, when given. Host residuals are split into planes as they
         are compressed (``frames.compress_planes``), never made whole."""
         name, how = option
-        if name == "sparse" and sample is None and with_planes and not found:
+        if name == "sparse" and sample is None and rows and not found:
             assert where is not None
             planes = np.empty(count * new.element_size(), dtype=np.uint8)
             found.append(where(planes))
@@ -329,11 +336,12 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
             a, b, how = _gather(new, at), _gather(ref, at), "xor"
         else:
             a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
+        whole = sample is None and name != "sparse"  # new and ref themselves
         if name == "key":
-            return _compress(a, s)
-        rows = native_rows(a, b)
-        if rows:
-            return _compress(a, s, against=rows[1], mode=residual_mode(how, kind))
+            return _compress(a, s, rows=rows[0] if whole and rows else None)
+        ab = rows if whole else native_rows(a, b)
+        if ab:
+            return _compress(a, s, against=ab[1], mode=residual_mode(how, kind), rows=ab[0])
         return _compress(residual(a, b, how, kind), s)
 
     built: dict[tuple[str, str | None], frames.Section] = {}

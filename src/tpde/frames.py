@@ -76,9 +76,10 @@ class Section:
     chunk: int
     frames: tuple[bytes, ...]
 
-    @property
+    @functools.cached_property
     def stored(self) -> int:
-        return sum(len(f) for f in self.frames)
+        """Asked several times of each option an encode weighs: summed once."""
+        return sum(map(len, self.frames))
 
     def table(self) -> list[int]:
         return [len(f) for f in self.frames]

@@ -36,7 +36,7 @@ def native_rows(*words: torch.Tensor) -> list[np.ndarray] | None:
     numpy's path must do the work. Asked of the tensors: numpy's address of an array took a
     microsecond, six times per tensor of a save."""
     n, width = words[0].numel(), words[0].element_size()
-    if all(w.device.type == "cpu" and w.numel() == n and w.element_size() == width
+    if all(w.is_cpu and w.numel() == n and w.element_size() == width
            and frames.native_layout(w.is_contiguous(), width, w.data_ptr()) for w in words):
         return [w.numpy().view(np.uint8).reshape(n, width) for w in words]
     return None
