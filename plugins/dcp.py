@@ -131,8 +131,8 @@ class Writer(_OnRun, StorageWriter):
 
     The coordinator holds the run's writer lease (``Checkpointer``'s): a second job saving into
     the run is refused with ``WriterConflictError`` before anything is written. The lease is
-    renewed by every save of this process and given up when it exits; ``lease_seconds`` and
-    ``takeover`` are ``Checkpointer``'s.
+    checked by every save of this process, renewed as ``Checkpointer`` renews it, and given up
+    when it exits; ``lease_seconds`` and ``takeover`` are ``Checkpointer``'s.
     """
 
     def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,

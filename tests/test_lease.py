@@ -65,6 +65,26 @@ def test_expired_lease_is_taken_over_and_takeover_steals_a_live_one(tmp_path) ->
         later.save(3, {"w": torch.ones(3)})
 
 
+def test_a_held_lease_is_written_again_only_once_half_of_it_has_run_out(tmp_path) -> None:
+    # Half of a 2 s lease is less than RENEW_AFTER: renewed after 1 s.
+    url = str(tmp_path / "run")
+    lease = tmp_path / "run" / "lease.json"
+    ck = tpde.Checkpointer(url, lease_seconds=2.0)
+    ck.save(0, {"w": torch.ones(3)})
+    first = json.loads(lease.read_text())["expires"]
+    ck.save(1, {"w": torch.ones(3)})
+    ck.remove(0)
+    assert json.loads(lease.read_text())["expires"] == first  # read, not written again
+    time.sleep(1.1)
+    ck.save(2, {"w": torch.ones(3)})
+    assert json.loads(lease.read_text())["expires"] > first  # renewed past half its time
+    thief = tpde.Checkpointer(url, takeover=True)
+    thief.save(3, {"w": torch.ones(3)})
+    with pytest.raises(tpde.WriterConflictError):
+        ck.save(4, {"w": torch.ones(3)})  # a lease still fresh is read: the thief is seen
+    assert thief.steps() == [1, 2, 3]
+
+
 def test_cli_gc_waits_for_the_writer_unless_forced(tmp_path, capsys) -> None:
     url = str(tmp_path / "run")
     ck = tpde.Checkpointer(url)

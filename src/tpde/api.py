@@ -100,8 +100,9 @@ class Checkpointer:
     previous step on every save. Tensors larger than half of it (at most 64 MiB) are stored in
     pieces, each coded on its own, so one huge tensor is bounded the same way.
 
-    Saving, removing and gc hold the run's writer lease (renewed on each of them; set
-    ``lease_seconds`` above the time between your saves); a second writer is refused with
+    Saving, removing and gc hold the run's writer lease (checked by each of them, and renewed
+    by those a minute or more after the last renewal; set ``lease_seconds`` a minute above the
+    time between your saves); a second writer is refused with
     ``WriterConflictError`` until ``close()``, expiry, or the holder's process dying on this host.
     ``takeover=True`` takes the run from a writer known to be dead.  Loading never waits.
 
