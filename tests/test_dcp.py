@@ -214,7 +214,7 @@ def test_the_coordinator_holds_the_writer_lease(tmp_path) -> None:
     finally:
         other.communicate("", timeout=60)
     assert other.returncode == 0
-    for step in (1, 2):  # two Writers, one job: the second renews the lease the first took
+    for step in (1, 2):  # two Writers, one job: the second holds the lease the first took
         dcp.save({"w": torch.full((4,), float(step))},
                  storage_writer=tpde.dcp.Writer(run + "/", step))
     with pytest.raises(tpde.WriterConflictError):
