@@ -102,6 +102,14 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         }                                                                                   \
         return c;                                                                           \
     }                                                                                       \
+    /* A residual's words, each one's bytes to their planes (plane k at out + k * cap), in \
+     * one pass over new and ref: the residual is worked out a block at a time on the stack \
+     * first (each loop vectorizes on its own: fused, a 64 MiB sub residual took 20 ms     \
+     * against 10.5). */                                                                   \
+    static void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {  \
+        for (Py_ssize_t j = 0; j < m; j++)                                                  \
+            for (int k = 0; k < W; k++) out[k * cap + j] = (unsigned char)(w[j] >> (8 * k)); \
+    }                                                                                       \
     /* 64 words at a time: which of them changed, as the bits of a mask (flags the compiler \
      * vectorizes, packed 8 at a time by a multiply), then one position per set bit: no     \
      * branch per word, where a changed word is least predictable (590K bf16 words of which \
@@ -129,26 +137,16 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
                     mask |= (uint64_t)(a[j + k] != b[j + k]) << k;                          \
             }                                                                               \
             if (__builtin_popcountll(mask) > room - c) return -1;                           \
-            if (planes == NULL) {                                                           \
-                for (; mask; mask &= mask - 1) out[c++] = (int64_t)(j + __builtin_ctzll(mask)); \
-                continue;                                                                   \
-            }                                                                               \
             for (; mask; mask &= mask - 1, c++) {                                           \
                 Py_ssize_t at = j + __builtin_ctzll(mask);                                  \
-                T x = (T)(a[at] ^ b[at]);                                                   \
                 out[c] = (int64_t)at;                                                       \
-                for (int k = 0; k < W; k++) planes[k * room + c] = (unsigned char)(x >> (8 * k)); \
+                if (planes) {                                                               \
+                    T x = (T)(a[at] ^ b[at]);                                               \
+                    spread_##W(&x, 1, planes + c, room);                                    \
+                }                                                                           \
             }                                                                               \
         }                                                                                   \
         return c;                                                                           \
-    }                                                                                       \
-    /* A residual's words, each one's bytes to their planes (plane k at out + k * cap), in \
-     * one pass over new and ref: the residual is worked out a block at a time on the stack \
-     * first (each loop vectorizes on its own: fused, a 64 MiB sub residual took 20 ms     \
-     * against 10.5). */                                                                   \
-    static void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {  \
-        for (Py_ssize_t j = 0; j < m; j++)                                                  \
-            for (int k = 0; k < W; k++) out[k * cap + j] = (unsigned char)(w[j] >> (8 * k)); \
     }                                                                                       \
     static void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                          unsigned char *out, int mode);                                     \
