@@ -98,7 +98,9 @@ class Checkpointer:
     extra memory bounded by ``max_inflight_bytes`` (bytes of tensors being encoded at once; a
     few times that in buffers, measured in the README), at the cost of reading and decoding the
     previous step on every save. Tensors larger than half of it (at most 64 MiB) are stored in
-    pieces, each coded on its own, so one huge tensor is bounded the same way.
+    pieces, each coded on its own, so one huge tensor is bounded the same way. Up to
+    ``max_inflight_bytes`` of freed C heap stays between saves for the next save's buffers;
+    more is handed back to the OS.
 
     Saving, removing and gc hold the run's writer lease (checked by each of them, and renewed
     by those a minute or more after the last renewal; set ``lease_seconds`` a minute above the
@@ -164,7 +166,7 @@ class Checkpointer:
                 max_inflight_bytes=self.max_inflight_bytes, owned=owned, bounds=self.bounds)
         finally:
             del flat
-            return_freed_memory()
+            return_freed_memory(keep=self.max_inflight_bytes)
         if reference is not None:
             self._collect_hidden(reference.step)
         return StepInfo.of(manifest, self.chain.at_rest().total)

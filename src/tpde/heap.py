@@ -14,23 +14,47 @@ from typing import Any
 import numpy as np
 
 
-def _malloc_trim() -> Any:
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (2.33 on): byte counts as ``size_t``."""
+
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def _libc(symbol: str) -> Any:
     try:
-        return getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):  # no C library to ask (Windows): nothing to trim
+        return getattr(ctypes.CDLL(None), symbol, None)
+    except (OSError, TypeError):  # no C library to ask (Windows)
         return None
 
 
-_MALLOC_TRIM = _malloc_trim()
+_MALLOC_TRIM = _libc("malloc_trim")
+_MALLINFO2 = _libc("mallinfo2")
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _MallInfo2
 
 
-def return_freed_memory() -> None:
-    """Hand heap pages freed by an encode or a decode back to the OS.
+def free_heap_bytes() -> int | None:
+    """Bytes free in the C heap's arenas, resident or not (None: the C library does not say).
+    Half a microsecond here: cheaper than the trim it decides on."""
+    return _MALLINFO2().fordblks if _MALLINFO2 is not None else None
 
-    Without this a long run's writer holds several states' worth of idle memory (measured over
-    20 saves of a 46 MB bf16 state: about 550 MB, 110 MB with it).
+
+def return_freed_memory(keep: int = 0) -> None:
+    """Hand heap pages freed by an encode or a decode back to the OS, unless the heap holds no
+    more than ``keep`` free bytes.
+
+    The freed pages kept are those the next save faults in again: trimming after every save of
+    a 46 MB bf16 state cost its chain about 60K page faults and 8% of its CPU time (C saved at
+    709 MB/s, 783 with the trim skipped while at most 256 MiB were free), for 21 MB less idle
+    memory. A writer that never trimmed once held 550 MB idle on that chain, when an encode's
+    temporaries were not bounded; ``keep`` bounds what stays.
     """
-    if _MALLOC_TRIM is not None:
+    if _MALLOC_TRIM is None:
+        return
+    free = free_heap_bytes() if keep else None
+    if free is None or free > keep:
         _MALLOC_TRIM(0)
 
 
