@@ -46,10 +46,12 @@ def return_freed_memory(keep: int = 0) -> None:
     more than ``keep`` free bytes.
 
     The freed pages kept are those the next save faults in again: trimming after every save of
-    a 46 MB bf16 state cost its chain about 60K page faults and 8% of its CPU time (C saved at
+    a 46 MB bf16 state cost its chain 55-90K more page faults and 8% of its CPU time (C saved at
     709 MB/s, 783 with the trim skipped while at most 256 MiB were free), for 21 MB less idle
     memory. A writer that never trimmed once held 550 MB idle on that chain, when an encode's
-    temporaries were not bounded; ``keep`` bounds what stays.
+    temporaries were not bounded; ``keep`` bounds what stays. Pages already handed back still
+    count as free, so a heap that once held more than ``keep`` free is trimmed after every save,
+    as before: memory first.
     """
     if _MALLOC_TRIM is None:
         return
