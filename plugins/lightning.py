@@ -136,6 +136,9 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _start(self) -> None:
         self._runs: dict[str, Checkpointer] = {}
         self._next: dict[str, int] = {}
+        # Each run's visible steps (raw bytes, count) as last counted, kept up by its saves:
+        # counting lists the run's steps, which made each save's log line O(steps).
+        self._kept: dict[str, tuple[int, int]] = {}
         self._room = threading.Semaphore(self.max_pending + 1)
         self._jobs: Queue[Callable[[], None]] = Queue()
         self._worker: threading.Thread | None = None
@@ -263,15 +266,23 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         if replaced is not None:  # save_last: the step the old entry named may now be free
             self._collect(ckpt, folder, name)
         elif info.run_bytes is not None:
-            self._log_at_rest(ckpt, info.run_bytes)
+            self._log_at_rest(ckpt, info.run_bytes, added=info.raw_bytes)
 
-    def _log_at_rest(self, ckpt: Checkpointer, held: int) -> None:
+    def _log_at_rest(self, ckpt: Checkpointer, held: int, added: int | None = None) -> None:
         """The folder's bytes at rest beside the tensor bytes that ``TorchCheckpointIO`` would
-        hold for the same checkpoints (a lower bound of its files: pickling adds a little)."""
+        hold for the same checkpoints (a lower bound of its files: pickling adds a little).
+        ``added``: the raw bytes of a step just saved, where no other step changed."""
         chain = ckpt.chain
-        plain = sum(chain.manifest(s).raw_bytes for s in chain.steps())
+        kept = self._kept.get(chain.url) if added is not None else None
+        if kept is None:
+            steps = chain.steps()
+            kept = (sum(chain.manifest(s).raw_bytes for s in steps), len(steps))
+        else:
+            kept = (kept[0] + added, kept[1] + 1)
+        self._kept[chain.url] = kept
+        plain, count = kept
         log.info("tpde: %s holds %.1f MB at rest for %d checkpoints; TorchCheckpointIO would "
-                 "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, len(chain.steps()),
+                 "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, count,
                  plain / 1e6, plain / max(1, held))
 
     def _remove(self, path: str) -> None:

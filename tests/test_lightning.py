@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import subprocess
 import sys
 from typing import Any
@@ -190,6 +192,22 @@ def test_save_last_link_weights_only_every_epoch(tmp_path) -> None:
     plugin.remove_checkpoint(str(last))
     plugin.wait()
     assert not last.exists() and os.path.exists(target)  # the link goes, its target stays
+
+
+def test_each_saves_log_states_what_the_run_holds(tmp_path, caplog) -> None:
+    """Kept up save by save, not counted again: the log line of every save names the
+    checkpoints held so far, their bytes at rest and their raw bytes."""
+    caplog.set_level(logging.INFO, logger="tpde.lightning")
+    plugin = tpde.TPDECheckpointIO(async_save=False)
+    fit(str(tmp_path), plugin, save_top_k=-1, save_last=False)
+    said = [r.getMessage() for r in caplog.records if "at rest for" in r.getMessage()]
+    found = [re.search(r"holds ([0-9.]+) MB at rest for (\d+) checkpoints; TorchCheckpointIO "
+                       r"would hold at least ([0-9.]+) MB", m).groups() for m in said]
+    assert [int(n) for _, n, _ in found] == list(range(1, len(plugin.reports) + 1))
+    chain = Chain(str(tmp_path / ".tpde"))
+    raw = sum(chain.manifest(s).raw_bytes for s in chain.steps())
+    assert found[-1] == (f"{chain.at_rest().total / 1e6:.1f}", str(len(chain.steps())),
+                         f"{raw / 1e6:.1f}")
 
 
 def test_switch_from_torch_midway_and_bounded_disk(tmp_path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -59,7 +60,8 @@ class Run:
             elif kind == "dense":
                 t.copy_(t + self._fresh(t.dtype, t.numel()) * (1e-3 if t.is_floating_point() else 1))
         state = {name: t.clone() for name, t in self.tensors.items()} | {"step": self.next}
-        self.ck.save(self.next, state)
+        info = self.ck.save(self.next, state)
+        assert info.run_bytes == on_disk(self.url)
         self.expected[self.next] = state
         self.cost[self.next] = keyframe_cost(state, os.path.join(self.root, f"key{self.next}"))
         self.next += 1
@@ -119,6 +121,42 @@ def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, ke
                 run.reopen()
             run.check()
         run.ck.close()
+
+
+def test_each_save_reports_the_bytes_the_run_holds(tmp_path) -> None:
+    """A writer counts the run's bytes once and adds what each save writes; a save that also
+    renewed the lease, re-based or purged a step counts them again."""
+    url = str(tmp_path / "run")
+    ck = tpde.Checkpointer(url, lease_seconds=0.2)
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(5000, generator=g), "b": torch.zeros(10)}
+
+    saved = {}
+
+    def save(step: int) -> None:
+        state["w"][step * 7 % 5000] += 1.0
+        assert ck.save(step, state).run_bytes == on_disk(url), step
+        saved[step] = {k: t.clone() for k, t in state.items()}
+
+    for step in range(4):
+        save(step)
+    writes = ck.lease.writes
+    time.sleep(0.15)  # past half the lease: the next save renews it
+    save(4)
+    assert ck.lease.writes == writes + 1
+    save(5)
+    ck.remove(2)  # 3 is re-based
+    save(6)
+    ck.chain.remove(6)  # the writer's reference, hidden by the chain itself: the next save
+    save(7)  # re-bases off it and frees it
+    ck.remove(7)
+    purges = ck.chain.purges
+    save(7)  # the hidden step 7, which nothing needs, is purged to take its number again
+    assert ck.chain.purges > purges
+    assert ck.chain.manifest(7).keyframe  # it was the reference: the new step 7 is a keyframe
+    save(8)
+    ck.close()
+    assert_same(tpde.Checkpointer(url).load(7), saved[7])
 
 
 def test_a_frozen_tensor_is_stored_once_for_the_life_of_the_run(tmp_path) -> None:

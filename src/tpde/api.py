@@ -31,7 +31,9 @@ class StepInfo:
     seconds: float
     codecs: dict[str, int] = field(default_factory=dict)
     #: Bytes the run's store holds, every step, manifest and leftover included (None: not
-    #: measured).
+    #: measured). Counted by the writer's first save and after a removal, a gc, a renewal of
+    #: its lease or a purge; other saves add what they wrote, so a save costs the same however
+    #: many steps the run holds.
     run_bytes: int | None = None
 
     @property
@@ -145,6 +147,9 @@ class Checkpointer:
         self.lease = Lease(self.chain.store, lease_seconds)
         self._takeover = takeover
         self._reference: Reference | None = None
+        # The run's bytes at rest as last counted, kept up by this writer's saves (None: count
+        # them again): counting lists the whole store, which made each save O(steps).
+        self._run_bytes: int | None = None
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -157,7 +162,9 @@ class Checkpointer:
         if self.bounds is not None and not self._bounds_checked:
             self.bounds.check(span.name for span in flat.spans)
             self._bounds_checked = True
+        changes = (self.lease.writes, self.chain.purges)
         self._writing()
+        counted, self._run_bytes = self._run_bytes, None  # until this save is counted
         reference, self._reference = self._reference, None
         try:
             manifest, self._reference = self.chain.write(
@@ -169,11 +176,17 @@ class Checkpointer:
             return_freed_memory(keep=self.max_inflight_bytes)
         if reference is not None:
             self._collect_hidden(reference.step)
-        return StepInfo.of(manifest, self.chain.at_rest().total)
+        # Renewing the lease rewrites a file whose size moves; a re-base or a step number taken
+        # again purges a step.
+        if counted is None or changes != (self.lease.writes, self.chain.purges):
+            self._run_bytes = self.chain.at_rest().total
+        else:  # the save added its blob and manifest, and nothing else changed
+            self._run_bytes = counted + manifest.stored_bytes
+        return StepInfo.of(manifest, self._run_bytes)
 
     def _collect_hidden(self, former: int) -> None:
         """A step removed while it was this writer's reference goes once it no longer is."""
-        if former in self.chain.hidden():
+        if self.chain.is_hidden(former):
             self.chain.collect(keep=self._keep(), settings=self.settings,
                                keyframe_every=self.keyframe_every)
 
@@ -212,6 +225,7 @@ class Checkpointer:
         first (rewritten to read from kept steps only), so every other step stays restorable.
         Then, as ``gc`` does, leftovers of crashed saves older than an hour go too."""
         self._writing()
+        self._run_bytes = None
         for step in steps:
             self.chain.remove(step)
         return self.gc()
@@ -220,6 +234,7 @@ class Checkpointer:
         """Re-base and free what no visible step needs, keeping this writer's reference, and
         delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
+        self._run_bytes = None
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
                              settings=self.settings, keyframe_every=self.keyframe_every)
 

@@ -87,6 +87,9 @@ class ChainBase:
         self.store = Store(url, storage_options)
         self._manifests: dict[int, Manifest] = {}
         self._known_run = False
+        #: Steps this object purged: a writer keeping count of its run's bytes counts again
+        #: after a save that purged one (a hidden step whose number it reused).
+        self.purges = 0
 
     def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
         return numbered(((e.path, e.size) for e in self.store.list(prefix)), suffix)
@@ -97,6 +100,10 @@ class ChainBase:
 
     def hidden(self) -> set[int]:
         return set(self._listed(REMOVED))
+
+    def is_hidden(self, step: int) -> bool:
+        """One lookup, where ``hidden`` lists every hidden step."""
+        return self.store.exists(f"{REMOVED}/{name(step)}")
 
     def steps(self) -> list[int]:
         """Visible steps, oldest first."""
@@ -175,6 +182,7 @@ class ChainBase:
                 report.deleted.append(rel)
         report.purged_steps.append(step)
         self._manifests.pop(step, None)
+        self.purges += 1
 
     def _stale(self) -> bool:
         """Whether a manifest this object cached was rewritten or deleted since (a re-base or

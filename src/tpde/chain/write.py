@@ -113,6 +113,8 @@ class Writer(Reader):
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
         self._make_room(step)
+        if reference is not None and reference.step == step:
+            reference = None  # a hidden step purged to take its number again: a keyframe
         self.mark_run()
         started = time.perf_counter()
         prev_m = self.manifest(reference.step) if reference is not None else None
