@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -124,13 +125,12 @@ def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, ke
 
 
 def test_each_save_reports_the_bytes_the_run_holds(tmp_path) -> None:
-    """A writer counts the run's bytes once and adds what each save writes; a save that also
-    renewed the lease, re-based or purged a step counts them again."""
+    """A writer counts the run's bytes once and adds what each save writes; after a renewal of
+    its lease, a re-base, a purge or a deleted leftover, it counts them again."""
     url = str(tmp_path / "run")
-    ck = tpde.Checkpointer(url, lease_seconds=0.2)
+    ck = tpde.Checkpointer(url, lease_seconds=1.0)
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(5000, generator=g), "b": torch.zeros(10)}
-
     saved = {}
 
     def save(step: int) -> None:
@@ -138,23 +138,32 @@ def test_each_save_reports_the_bytes_the_run_holds(tmp_path) -> None:
         assert ck.save(step, state).run_bytes == on_disk(url), step
         saved[step] = {k: t.clone() for k, t in state.items()}
 
+    def renewing(op: Callable[[], object]) -> None:
+        """``op``, with the lease due for renewal (half its time gone), which ``op`` renews."""
+        time.sleep(0.6)
+        writes = ck.lease.writes
+        op()
+        assert ck.lease.writes == writes + 1
+
     for step in range(4):
         save(step)
-    writes = ck.lease.writes
-    time.sleep(0.15)  # past half the lease: the next save renews it
-    save(4)
-    assert ck.lease.writes == writes + 1
+    renewing(lambda: save(4))
     save(5)
-    ck.remove(2)  # 3 is re-based
+    ck.remove(2)  # 3 is re-based, 2 purged
     save(6)
     ck.chain.remove(6)  # the writer's reference, hidden by the chain itself: the next save
     save(7)  # re-bases off it and frees it
     ck.remove(7)
-    purges = ck.chain.purges
     save(7)  # the hidden step 7, which nothing needs, is purged to take its number again
-    assert ck.chain.purges > purges
     assert ck.chain.manifest(7).keyframe  # it was the reference: the new step 7 is a keyframe
-    save(8)
+    renewing(lambda: save(8))  # a fresh lease: the gc below does not renew it
+    (tmp_path / "run" / "data" / "left-over.tpd").write_bytes(b"x" * 1000)  # a killed save's
+    changes = ck.chain.changes
+    ck.gc(grace_seconds=0)
+    assert ck.chain.changes == changes + 1
+    save(9)
+    renewing(ck.next_step)  # between two saves
+    save(10)
     ck.close()
     assert_same(tpde.Checkpointer(url).load(7), saved[7])
 

@@ -31,9 +31,9 @@ class StepInfo:
     seconds: float
     codecs: dict[str, int] = field(default_factory=dict)
     #: Bytes the run's store holds, every step, manifest and leftover included (None: not
-    #: measured). Counted by the writer's first save and after a removal, a gc, a renewal of
-    #: its lease or a purge; other saves add what they wrote, so a save costs the same however
-    #: many steps the run holds.
+    #: measured). Counted by the writer's first save, and again after it renewed its lease or
+    #: changed the run otherwise than by a save (a re-base, a purge, a deleted leftover); other
+    #: saves add what they wrote, so a save costs the same however many steps the run holds.
     run_bytes: int | None = None
 
     @property
@@ -148,8 +148,10 @@ class Checkpointer:
         self._takeover = takeover
         self._reference: Reference | None = None
         # The run's bytes at rest as last counted, kept up by this writer's saves (None: count
-        # them again): counting lists the whole store, which made each save O(steps).
+        # them again), and the lease's writes and the chain's changes when they were: counting
+        # lists the whole store, which made each save O(steps).
         self._run_bytes: int | None = None
+        self._counted = (0, 0)
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -162,7 +164,6 @@ class Checkpointer:
         if self.bounds is not None and not self._bounds_checked:
             self.bounds.check(span.name for span in flat.spans)
             self._bounds_checked = True
-        changes = (self.lease.writes, self.chain.purges)
         self._writing()
         counted, self._run_bytes = self._run_bytes, None  # until this save is counted
         reference, self._reference = self._reference, None
@@ -176,12 +177,13 @@ class Checkpointer:
             return_freed_memory(keep=self.max_inflight_bytes)
         if reference is not None:
             self._collect_hidden(reference.step)
-        # Renewing the lease rewrites a file whose size moves; a re-base or a step number taken
-        # again purges a step.
-        if counted is None or changes != (self.lease.writes, self.chain.purges):
+        # Renewing the lease rewrites a file whose size moves; a removal re-bases and purges.
+        now = (self.lease.writes, self.chain.changes)
+        if counted is None or now != self._counted:
             self._run_bytes = self.chain.at_rest().total
         else:  # the save added its blob and manifest, and nothing else changed
             self._run_bytes = counted + manifest.stored_bytes
+        self._counted = now
         return StepInfo.of(manifest, self._run_bytes)
 
     def _collect_hidden(self, former: int) -> None:
@@ -225,7 +227,6 @@ class Checkpointer:
         first (rewritten to read from kept steps only), so every other step stays restorable.
         Then, as ``gc`` does, leftovers of crashed saves older than an hour go too."""
         self._writing()
-        self._run_bytes = None
         for step in steps:
             self.chain.remove(step)
         return self.gc()
@@ -234,7 +235,6 @@ class Checkpointer:
         """Re-base and free what no visible step needs, keeping this writer's reference, and
         delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
-        self._run_bytes = None
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
                              settings=self.settings, keyframe_every=self.keyframe_every)
 
