@@ -31,8 +31,8 @@ class StepInfo:
     seconds: float
     codecs: dict[str, int] = field(default_factory=dict)
     #: Bytes the run's store holds, every step, manifest and leftover included (None: not
-    #: measured). Counted by the writer's first save, and again after it renewed its lease or
-    #: changed the run otherwise than by a save (a re-base, a purge, a deleted leftover); other
+    #: measured). Counted by the writer's first save, and again after anything but a save put
+    #: or deleted an object (a lease renewal, a re-base, a purge, a deleted leftover); other
     #: saves add what they wrote, so a save costs the same however many steps the run holds.
     run_bytes: int | None = None
 
@@ -148,10 +148,10 @@ class Checkpointer:
         self._takeover = takeover
         self._reference: Reference | None = None
         # The run's bytes at rest as last counted, kept up by this writer's saves (None: count
-        # them again), and the lease's writes and the chain's changes when they were: counting
-        # lists the whole store, which made each save O(steps).
+        # them again), and the store's changes when they were: counting lists the whole store,
+        # which made each save O(steps).
         self._run_bytes: int | None = None
-        self._counted = (0, 0)
+        self._counted = 0
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -177,13 +177,13 @@ class Checkpointer:
             return_freed_memory(keep=self.max_inflight_bytes)
         if reference is not None:
             self._collect_hidden(reference.step)
-        # Renewing the lease rewrites a file whose size moves; a removal re-bases and purges.
-        now = (self.lease.writes, self.chain.changes)
-        if counted is None or now != self._counted:
-            self._run_bytes = self.chain.at_rest().total
-        else:  # the save added its blob and manifest, and nothing else changed
+        # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
+        # purge, a deleted leftover would have put or deleted more): it added its blob and it.
+        if counted is not None and self.chain.store.changes == self._counted + 1:
             self._run_bytes = counted + manifest.stored_bytes
-        self._counted = now
+        else:
+            self._run_bytes = self.chain.at_rest().total
+        self._counted = self.chain.store.changes
         return StepInfo.of(manifest, self._run_bytes)
 
     def _collect_hidden(self, former: int) -> None:

@@ -55,9 +55,6 @@ class Lease:
         self.store, self.seconds = store, seconds
         self.owner = uuid.uuid4().hex
         self.held = False
-        #: Times this writer wrote the lease file: a writer keeping count of its run's bytes
-        #: counts again after one (the file's size moves with its expiry's digits).
-        self.writes = 0
 
     def current(self) -> Holder | None:
         try:
@@ -87,7 +84,6 @@ class Lease:
                 and holder.expires - now > self.seconds - min(RENEW_AFTER, self.seconds / 2):
             return
         mine = Holder(self.owner, socket.gethostname(), os.getpid(), now + self.seconds)
-        self.writes += 1
         self.store.put_atomic(LEASE, json.dumps(asdict(mine)).encode())
         check = self.current()
         if check is None or check.owner != self.owner:

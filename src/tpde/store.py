@@ -125,6 +125,10 @@ class Store:
         self.answered = self.local  # whether the store has answered once since it was opened
         # Mapped reads where a mapped file can still be deleted (gc) and replaced (POSIX).
         self.maps = self.local and os.name == "posix"
+        #: Objects put whole or deleted through this store (a blob written is neither): a
+        #: writer keeping count of its run's bytes knows from it whether anything but its own
+        #: save changed them.
+        self.changes = 0
 
     def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
@@ -166,6 +170,7 @@ class Store:
     # ------------------------------------------------------------------ writes
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write ``data`` so that readers see the whole object or none of it."""
+        self.changes += 1
         path = self._abs(rel)
         if not self.local:
             self._retry(f"write {rel} in", lambda: self._put_once(path, data), len(data))
@@ -203,6 +208,7 @@ class Store:
         return BlobWriter(self, rel)
 
     def delete(self, rel: str) -> None:
+        self.changes += 1
         try:
             self._retry(f"delete {rel} in", lambda: self.fs.rm_file(self._abs(rel)))
         except FileNotFoundError:

@@ -87,10 +87,6 @@ class ChainBase:
         self.store = Store(url, storage_options)
         self._manifests: dict[int, Manifest] = {}
         self._known_run = False
-        #: Times this object changed the run other than by committing a new step (a purge, a
-        #: re-based step, a leftover deleted): a writer keeping count of its run's bytes counts
-        #: them again after one.
-        self.changes = 0
 
     def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
         return numbered(((e.path, e.size) for e in self.store.list(prefix)), suffix)
@@ -183,7 +179,6 @@ class ChainBase:
                 report.deleted.append(rel)
         report.purged_steps.append(step)
         self._manifests.pop(step, None)
-        self.changes += 1
 
     def _stale(self) -> bool:
         """Whether a manifest this object cached was rewritten or deleted since (a re-base or

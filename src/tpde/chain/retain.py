@@ -184,7 +184,6 @@ class Retainer(Writer):
 
     def _replace(self, old: Manifest, new: Manifest) -> None:
         """Commit a rewritten manifest, then delete the blob it no longer uses."""
-        self.changes += 1
         self.commit(new)
         for blob in set(old.blobs()) - set(new.blobs()):
             self.store.delete(blob)
@@ -206,7 +205,6 @@ class Retainer(Writer):
                 leftover = (prefix == DATA and e.path not in live) or e.path.endswith(".tmp")
                 young = e.mtime is not None and now - e.mtime < grace_seconds
                 if leftover and not young:
-                    self.changes += 1
                     self.store.delete(e.path)
                     report.freed_bytes += e.size
                     report.deleted.append(e.path)
