@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import fsspec
 import pytest
 import torch
@@ -255,3 +256,32 @@ def test_a_mounted_transformer_computes_as_the_dense_one_fast_path_included(tmp_
             assert torch.equal(model(ids), expected)
             assert torch.equal(model(ids), expected)  # again, from what the first pass left
         model.tpde_mount.close()
+
+
+def test_decode_seconds_count_the_decodes_and_nothing_else(tmp_path) -> None:
+    """``MountStats.decode_seconds`` is what mount_bench divides the decoded bytes by: it grows
+    with every decode, not with forwards that decode nothing, and stays within the forwards'
+    wall time at budget 0 (where every decode runs on the forward's thread)."""
+    torch.manual_seed(0)
+    run = str(tmp_path / "run")
+    with tpde.Checkpointer(run) as ckpt:
+        ckpt.save(0, CausalLM().state_dict())
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(2))
+    kept = tpde.mount(run, 0, CausalLM(), device="cpu", budget=None)
+    with torch.no_grad():
+        kept(ids)
+        once = kept.tpde_mount.stats.decode_seconds
+        kept(ids)
+    assert once > 0
+    assert kept.tpde_mount.stats.decode_seconds == once  # nothing decoded the second time
+    kept.tpde_mount.close()
+    none = tpde.mount(run, 0, CausalLM(), device="cpu", budget=0)
+    stats = none.tpde_mount.stats
+    started, before = time.perf_counter(), 0.0
+    with torch.no_grad():
+        for calls in (1, 2, 3):
+            none(ids)
+            assert stats.decodes == calls * stats.modules
+            assert before < stats.decode_seconds <= time.perf_counter() - started
+            before = stats.decode_seconds
+    none.tpde_mount.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import functools
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,10 +106,14 @@ class _ResidentStore:
 
 @dataclass
 class MountStats:
-    """What a mount decoded and held (bytes of decoded weights)."""
+    """What a mount decoded and held (bytes of decoded weights). ``decode_seconds`` is the wall
+    time its decodes took, summed over the threads that ran them (on a CUDA device, until the
+    kernels were queued): a forward's time less its compute, so its decode speed compares with
+    the restore path's."""
 
     decodes: int = 0
     decoded_bytes: int = 0
+    decode_seconds: float = 0.0
     hits: int = 0
     resident_bytes: int = 0
     held_compressed_bytes: int = 0
@@ -255,6 +260,7 @@ class Mount:
         return out
 
     def _decode(self, name: str) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
         slots = self.slots[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
@@ -276,6 +282,7 @@ class Mount:
         with self._lock:
             self.stats.decodes += 1
             self.stats.decoded_bytes += self.sizes[name]
+            self.stats.decode_seconds += time.perf_counter() - started
         return out
 
     def _span_buffers(self, slots: list[tuple[str, str, bool, _Slot]]
