@@ -267,7 +267,8 @@ def test_decode_seconds_count_the_decodes_and_nothing_else(tmp_path) -> None:
     with tpde.Checkpointer(run) as ckpt:
         ckpt.save(0, CausalLM().state_dict())
     ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(2))
-    kept = tpde.mount(run, 0, CausalLM(), device="cpu", budget=None)
+    # No prefetching: a decode on the worker thread could still be adding to the count here.
+    kept = tpde.mount(run, 0, CausalLM(), device="cpu", budget=None, prefetch=0)
     with torch.no_grad():
         kept(ids)
         once = kept.tpde_mount.stats.decode_seconds

@@ -108,8 +108,8 @@ class _ResidentStore:
 class MountStats:
     """What a mount decoded and held (bytes of decoded weights). ``decode_seconds`` is the wall
     time its decodes took, summed over the threads that ran them (on a CUDA device, until the
-    kernels were queued): a forward's time less its compute, so its decode speed compares with
-    the restore path's."""
+    kernels were queued): the part of the forwards that was not their compute, so that a
+    mount's decode speed can be set beside the restore path's."""
 
     decodes: int = 0
     decoded_bytes: int = 0
