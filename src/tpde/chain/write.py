@@ -231,7 +231,7 @@ class Writer(Reader):
         """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""
         if not self.store.exists(manifest_path(step)):
             return
-        if step not in self.hidden():
+        if not self.is_hidden(step):
             raise StepExistsError("already committed and immutable; save under a new step or "
                                   "remove() it first", run=self.url, step=step)
         if step in self.needed():
