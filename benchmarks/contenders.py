@@ -318,7 +318,9 @@ class TPDE(Contender):
 
     def remove(self, folder: str, step: int) -> None:
         assert self.writer is not None
-        self.writer.remove(step)  # re-bases the kept steps that read it, frees it
+        # As the Lightning plugin removes: hidden at once, freed (the kept steps that read it
+        # re-based) once the run would hold more than the plain files, or at close.
+        self.writer.remove(step, defer=True)
 
     def worst_step(self, folder: str, steps: list[int]) -> int:
         """The kept step with the most deltas to apply since a keyframe (the latest such)."""

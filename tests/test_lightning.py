@@ -502,3 +502,24 @@ def test_installing_tpde_leaves_other_trainers_alone(tmp_path) -> None:
     assert "IMPORTED False" in without.stdout
     assert "entry point 'tpde'" not in without.stdout + without.stderr
     assert "tpde" not in with_plugin.stdout.split("CALLBACKS")[1].split("\n")[0]
+
+def test_top_k_removals_wait_within_the_plain_files_and_go_by_teardown(tmp_path, caplog) -> None:
+    """Lightning's removals hide a checkpoint's step at once; its bytes go once the run would
+    hold more than TorchCheckpointIO's files of the kept checkpoints, and all of them by the
+    end of fit."""
+    caplog.set_level(logging.INFO, logger="tpde.lightning")
+    plugin = tpde.TPDECheckpointIO(async_save=False)
+    fit(str(tmp_path), plugin, epochs=6)  # save_top_k=2, save_last=True
+    said = [r.getMessage() for r in caplog.records]
+    removed = [m for m in said if "replaced or removed" in m]
+    waited = [m for m in removed if "freed when needed" in m]
+    assert len(removed) >= 8 and waited and len(waited) < len(removed)
+    for before, line in zip(said, said[1:]):  # while removed steps wait, the run is within
+        held = re.search(r"holds ([0-9.]+) MB at rest for \d+ checkpoints; TorchCheckpointIO "
+                         r"would hold at least ([0-9.]+) MB", line)
+        if "freed when needed" in before:
+            assert held and float(held[1]) <= float(held[2]), line
+    chain = Chain(str(tmp_path / ".tpde"))
+    assert not chain.at_rest().hidden and plugin.freed_bytes > 0
+    names = files(fsspec.filesystem("file"), str(tmp_path))
+    assert [entries.read(f"{tmp_path}/{n}").step for n in names] == chain.steps()

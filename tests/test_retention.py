@@ -45,6 +45,7 @@ class Run:
         self.kinds = {f"t{i}": kind for i, (kind, _) in enumerate(kinds)}
         self.expected: dict[int, dict] = {}
         self.cost: dict[int, int] = {}
+        self.deferred: set[int] = set()  # removed with defer=True since the last gc or reopen
         self.next = 0
 
     def _fresh(self, dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -67,16 +68,22 @@ class Run:
         self.cost[self.next] = keyframe_cost(state, os.path.join(self.root, f"key{self.next}"))
         self.next += 1
 
-    def remove(self, pick: int) -> None:
+    def remove(self, pick: int, defer: bool = False) -> None:
         visible = self.ck.steps()
         if visible:
             step = visible[pick % len(visible)]
-            self.ck.remove(step)
+            self.ck.remove(step, defer=defer)
             del self.expected[step]
+            self.deferred.add(step) if defer else self.deferred.clear()
+
+    def gc(self) -> None:
+        self.ck.gc(grace_seconds=0)
+        self.deferred.clear()
 
     def reopen(self) -> None:
         """A new writer on the run, resumed from its latest step (fresh caches)."""
         self.ck.close()
+        self.deferred.clear()
         self.ck = tpde.Checkpointer(self.url, keyframe_every=self.keyframe_every, chunk_bytes=4096)
         if self.ck.steps():
             self.ck.load()
@@ -91,9 +98,14 @@ class Run:
             return
         rest = chain.at_rest()
         assert rest.total == on_disk(self.url)
+        assert rest.plain == sum(t.nbytes for state in self.expected.values()
+                                 for t in state.values() if isinstance(t, torch.Tensor))
         ref = self.ck._reference.step if self.ck._reference else None
-        # Hidden steps hold bytes only as the writer's reference: nothing else is kept.
-        assert set(rest.hidden) <= {ref}, rest.as_dict()
+        # Hidden steps hold bytes as the writer's reference, or as deferred removals while the
+        # run holds no more than the plain format's files of its visible steps.
+        held = set(rest.hidden) - {ref}
+        assert held <= self.deferred, rest.as_dict()
+        assert not held or rest.total + rest.largest <= rest.plain, rest.as_dict()
         manifests = sum(os.path.getsize(os.path.join(self.url, "steps", f"{s:020d}.json"))
                         for s in self.expected)
         bound = sum(self.cost[s] for s in self.expected) + manifests + rest.other \
@@ -104,7 +116,7 @@ class Run:
 @given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense"]),
                                 st.sampled_from(DTYPES)), min_size=1, max_size=3),
        ops=st.lists(st.one_of(st.just(("save",)), st.just(("gc",)), st.just(("reopen",)),
-                              st.tuples(st.just("remove"), st.integers(0, 50))),
+                              st.tuples(st.just("remove"), st.integers(0, 50), st.booleans())),
                     min_size=1, max_size=14),
        keyframe_every=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, keyframe_every,
@@ -115,9 +127,9 @@ def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, ke
             if op[0] == "save":
                 run.save()
             elif op[0] == "remove":
-                run.remove(op[1])
+                run.remove(op[1], defer=op[2])
             elif op[0] == "gc":
-                run.ck.gc(grace_seconds=0)
+                run.gc()
             else:
                 run.reopen()
             run.check()
@@ -332,3 +344,53 @@ def test_a_rebase_keeps_a_records_coding_where_it_holds_and_chooses_again_where_
         (saved.record("w").codec, saved.record("w").residual)
     assert rebased.record("m").codec != "sparse"
     assert_same(states[2], chain.load(2)[0], "step 2")
+
+
+def keep_last_four(url: str, defer: bool) -> tuple[list[tpde.GcReport], list[int], dict]:
+    """A run that keeps its last four steps, removing the oldest after each save: the reports
+    of its removals and its close, and how many hidden steps it held after each removal."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(20_000, generator=g)
+    reports, hidden, states = [], [], {}
+    ck = tpde.Checkpointer(url, keyframe_every=16)
+    for step in range(16):
+        w = w.clone()
+        at = torch.randint(0, w.numel(), (8_000,), generator=g)  # about a third of it
+        w[at] += 1e-3 * torch.randn(8_000, generator=g)
+        states[step] = {"w": w.clone()}
+        ck.save(step, states[step])
+        if step >= 4:
+            reports.append(ck.remove(step - 4, defer=defer))
+            del states[step - 4]
+            rest = ck.chain.at_rest()
+            assert rest.total == on_disk(url) and ck.steps() == sorted(states)
+            # Held past their removal only while the plain files would hold more, with room
+            # for a re-base to write a step's new blob before it deletes the old.
+            assert not rest.hidden or rest.total + rest.largest <= rest.plain, rest.as_dict()
+            hidden.append(len(rest.hidden))
+            for step_, state in states.items():
+                assert_same(state, Chain(url).load(step_)[0], f"step {step_}")
+    reports.append(ck.close())
+    return reports, hidden, states
+
+
+def test_deferred_removals_hold_bytes_within_the_plain_files_and_rebase_less(tmp_path) -> None:
+    """What the Lightning plugin's top-k removals do: a removed step is gone from the run at
+    once, its bytes go before the run could hold more than the plain files of its visible
+    steps, and removals that wait are re-based off together."""
+    now, _, _ = keep_last_four(str(tmp_path / "now"), defer=False)
+    deferred, hidden, states = keep_last_four(str(tmp_path / "deferred"), defer=True)
+    assert max(hidden) >= 2  # removed steps were held ...
+    assert any(r.purged_steps for r in deferred[:-1])  # ... freed as the run grew ...
+    assert deferred[-1].purged_steps  # ... and by the writer's close
+    # Removed at once, each step is freed by its removal and the close finds nothing left.
+    assert all(r.purged_steps for r in now[:-1]) and not now[-1].purged_steps
+    rebased = [sum(len(r.rebased_steps) for r in reports) for reports in (now, deferred)]
+    assert rebased[1] < rebased[0], rebased
+    chain = Chain(str(tmp_path / "deferred"))
+    assert chain.steps() == sorted(states) and not chain.at_rest().hidden
+    assert {s for r in deferred for s in r.purged_steps} == set(range(12))
+    with pytest.raises(tpde.StepNotFoundError):
+        chain.load(11)
+    for step, state in states.items():
+        assert_same(state, chain.load(step)[0], f"step {step}")

@@ -152,6 +152,7 @@ class Checkpointer:
         # which made each save O(steps).
         self._run_bytes: int | None = None
         self._counted = 0
+        self._deferred: set[int] = set()  # removed with defer=True, their bytes not yet freed
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -175,7 +176,9 @@ class Checkpointer:
         finally:
             del flat
             return_freed_memory(keep=self.max_inflight_bytes)
-        if reference is not None:
+        if self._deferred:
+            self._free_deferred()
+        elif reference is not None:
             self._collect_hidden(reference.step)
         # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
         # purge, a deleted leftover would have put or deleted more): it added its blob and it.
@@ -222,19 +225,38 @@ class Checkpointer:
     def info(self, step: int) -> StepInfo:
         return StepInfo.of(self.chain.manifest(step))
 
-    def remove(self, *steps: int) -> GcReport:
+    def remove(self, *steps: int, defer: bool = False) -> GcReport:
         """Hide ``steps`` and free their bytes: the steps that read from them are re-based
         first (rewritten to read from kept steps only), so every other step stays restorable.
-        Then, as ``gc`` does, leftovers of crashed saves older than an hour go too."""
+        Then, as ``gc`` does, leftovers of crashed saves older than an hour go too.
+
+        ``defer=True`` is for retention policies (the Lightning plugin's removals use it): the
+        steps are hidden at once, but their bytes are freed only when the run could otherwise
+        come to hold more than the plain format's files of its visible steps (``AtRest.plain``,
+        less room for a re-base to write the largest step before it deletes), and when this
+        writer closes or calls ``gc``. Steps removed in the meantime are re-based off in one
+        go, and a step removed before anything kept had to be re-based off it costs no
+        re-base at all. The report is empty unless this call freed something."""
         self._writing()
         for step in steps:
             self.chain.remove(step)
-        return self.gc()
+        if not defer:
+            return self.gc()
+        self._deferred.update(steps)
+        return self._free_deferred()
+
+    def _free_deferred(self) -> GcReport:
+        """Free what deferred removals hold before the run could hold more than the plain
+        format's files would: a re-base writes a step's new blob (at most its raw bytes) before
+        it deletes anything, so that much room is kept."""
+        rest = self.chain.at_rest()
+        return self.gc() if rest.total + rest.largest > rest.plain else GcReport()
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
         """Re-base and free what no visible step needs, keeping this writer's reference, and
         delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
+        self._deferred.clear()
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
                              settings=self.settings, keyframe_every=self.keyframe_every)
 
@@ -242,12 +264,18 @@ class Checkpointer:
         """The step the next delta is coded against, kept even when hidden."""
         return [self._reference.step] if self._reference else []
 
-    def close(self) -> None:
-        """Release the writer lease so another job may write the run; reading needs none."""
-        if self._reference is not None and self.lease.held:
-            former, self._reference = self._reference.step, None
-            self._collect_hidden(former)
+    def close(self) -> GcReport:
+        """Free what deferred removals and this writer's reference held, and release the
+        writer lease so another job may write the run; reading needs none."""
+        report = GcReport()
+        if self.lease.held:
+            former, self._reference = self._reference, None
+            if self._deferred or (former is not None and self.chain.is_hidden(former.step)):
+                self._deferred.clear()
+                report = self.chain.collect(settings=self.settings,
+                                            keyframe_every=self.keyframe_every)
         self.lease.release()
+        return report
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -45,7 +45,8 @@ def at_rest_line(rest: AtRest) -> str:
     parts = [f"at rest: {mb(rest.total)} ({mb(rest.visible)} in visible steps"]
     for h in rest.as_dict()["hidden_steps"]:
         why = (f"read by steps {h['needed_by']}" if h["needed_by"]
-               else "kept as the writer's reference, or until `tpde gc`")
+               else "kept as the writer's reference or a deferred removal, until the writer "
+               "closes or `tpde gc`")
         parts.append(f"hidden step {h['step']}: {mb(h['bytes'])}, {why}")
     for d in rest.as_dict()["damaged_steps"]:
         parts.append(f"damaged step {d['step']}: {mb(d['bytes'])}")

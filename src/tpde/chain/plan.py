@@ -243,10 +243,16 @@ class AtRest:
     reference, or waiting for ``gc``). ``damaged``: by step, the manifest that cannot be read
     and the blobs named after its step (``gc`` refuses to run while one is there).
     ``leftovers``: blobs no manifest names and temporary files (a save in progress, or crashed
-    ones that ``gc`` deletes after its grace period).
+    ones that ``gc`` deletes after its grace period). ``plain``: the raw tensor bytes of the
+    visible steps, the least the plain format's files would hold for them, which bounds what a
+    writer lets removed steps keep (``Checkpointer.remove(..., defer=True)``); ``largest``: the
+    raw tensor bytes of the largest visible step, which bounds what a re-base writes before it
+    deletes what it replaces.
     """
 
     visible: int = 0
+    plain: int = 0
+    largest: int = 0
     hidden: dict[int, int] = field(default_factory=dict)
     needed_by: dict[int, list[int]] = field(default_factory=dict)
     damaged: dict[int, int] = field(default_factory=dict)
@@ -260,6 +266,7 @@ class AtRest:
 
     def as_dict(self) -> dict[str, Any]:
         return {"total_bytes": self.total, "visible_bytes": self.visible,
+                "plain_bytes": self.plain,
                 "hidden_bytes": sum(self.hidden.values()),
                 "hidden_steps": [{"step": s, "bytes": b, "needed_by": self.needed_by.get(s, [])}
                                  for s, b in sorted(self.hidden.items())],

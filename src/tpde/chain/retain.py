@@ -234,6 +234,8 @@ class Retainer(Writer):
             size = sum(files[p] for p in mine)
             if s in visible:
                 out.visible += size
+                out.plain += m.raw_bytes
+                out.largest = max(out.largest, m.raw_bytes)
             else:
                 out.hidden[s] = size
         for s in set(committed) - set(manifests):  # unreadable: neither visible nor leftover
