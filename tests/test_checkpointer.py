@@ -7,6 +7,7 @@ import glob
 import itertools
 import json
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -408,6 +409,48 @@ def test_large_local_reads_are_mapped_and_stay_exact(tmp_path) -> None:
     with pytest.raises(tpde.StoreError, match="shorter than its manifest says"):
         s.read_ranges("short", [(0, store.MAP_BYTES + 1)])
     assert bytes(s.read_ranges("short", [(1, 3)])[0]) == data[1:3]  # small: copied
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_a_decode_keeps_the_files_it_reads_frame_by_frame_open(tmp_path) -> None:
+    """Within ``kept_open`` a thread reads each local file through one descriptor, closed at
+    the end of the block; a blob deleted meanwhile still reads as it was; other threads keep
+    nothing; a range past the end is an error, not short data."""
+    s = store.Store(str(tmp_path / "run"))
+    data = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    s.put_atomic("a", data)
+    s.put_atomic("b", data[::-1])
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_files()
+    with s.kept_open():
+        assert bytes(s.read_range("a", 10, 20)) == data[10:20]
+        assert bytes(s.read_ranges("a", [(0, 5), (300, 400)])[1]) == data[300:400]
+        assert open_files() == before + 1
+        s.delete("a")
+        assert bytes(s.read_range("a", 100, 300)) == data[100:300]
+        with s.kept_open():  # nested: the same descriptors
+            assert bytes(s.read_range("b", 0, 8)) == data[::-1][:8]
+        assert open_files() == before + 2
+        elsewhere: list[bytes] = []
+        other = threading.Thread(target=lambda: elsewhere.append(bytes(s.read_range("b", 1, 9))))
+        other.start()
+        other.join()
+        assert elsewhere == [data[::-1][1:9]] and open_files() == before + 2
+        with pytest.raises(tpde.StoreError, match="shorter than its manifest says"):
+            s.read_range("b", 4000, 5000)
+    assert open_files() == before
+    with pytest.raises(FileNotFoundError):
+        s.read_range("a", 0, 1)
+    for k in range(store.KEPT_OPEN + 3):  # a step of many ranks' blobs: at most so many kept
+        s.put_atomic(f"rank{k}", data)
+    with s.kept_open():
+        for k in range(store.KEPT_OPEN + 3):
+            assert bytes(s.read_range(f"rank{k}", k, k + 3)) == data[k : k + 3]
+        assert open_files() == before + store.KEPT_OPEN
+    assert open_files() == before
 
 
 def test_a_local_blob_is_handed_to_the_disk_as_it_is_written(tmp_path, monkeypatch) -> None:

@@ -94,6 +94,10 @@ class _ResidentStore:
         a0 = starts[i][0]
         return memoryview(self._held[rel][starts[i]])[a - a0 : b - a0]
 
+    def read_range(self, rel: str, a: int, b: int) -> Any:
+        part = self._part(rel, a, b)
+        return part if part is not None else self._store.read_range(rel, a, b)
+
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[Any]:
         parts = [self._part(rel, a, b) for a, b in ranges]
         if all(p is not None for p in parts):

@@ -216,7 +216,7 @@ class _FramesOnDemand:
     def __getitem__(self, i: int) -> bytes:
         a, b = self._starts[i], self._starts[i + 1]
         try:
-            return self._reader.store.read_ranges(self._blob, [(a, b)])[0]
+            return self._reader.store.read_range(self._blob, a, b)
         except FileNotFoundError:
             raise CorruptionError(f"blob {self._blob} is missing", run=self._reader.url,
                                   step=self._m.step) from None
@@ -304,9 +304,10 @@ class Reader(ChainBase):
         for _ in range(REREADS):
             found: list[Problem] | None = None if problems is None else []
             try:
-                words = self._materialize(step, names, found, check_every, check, progress, on,
-                                          batch_bytes, look_ahead, into or {}, passing or {},
-                                          {} if passed is None else passed)
+                with self.store.kept_open():
+                    words = self._materialize(step, names, found, check_every, check, progress,
+                                              on, batch_bytes, look_ahead, into or {},
+                                              passing or {}, {} if passed is None else passed)
             except CorruptionError:
                 if self._stale():
                     continue
