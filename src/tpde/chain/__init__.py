@@ -11,13 +11,14 @@ Layout of a run folder::
 A step is written blob first, manifest last, so a crash leaves at most an unreferenced blob
 (deleted by ``gc``) and never a visible half step. The jobs live in their own modules:
 ``plan`` decides (pure functions of manifests), ``read``, ``write`` and ``retain`` carry the
-decisions out.
+decisions out, and ``spans`` puts a rebuilt step's tensors together.
 """
 
 from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reference
 from .plan import DEFAULT_KEYFRAME_EVERY, AtRest
-from .read import DECODE_BATCH_BYTES, lossy_summary, span_places, span_words
+from .read import DECODE_BATCH_BYTES
 from .retain import Retainer
+from .spans import lossy_summary, span_places, span_words
 from .write import PIECE_BYTES
 
 
