@@ -153,6 +153,10 @@ class Checkpointer:
         self._run_bytes: int | None = None
         self._counted = 0
         self._deferred: set[int] = set()  # removed with defer=True, their bytes not yet freed
+        # While removals wait: the plain bytes less the run's bytes and the room for a re-base
+        # (the largest visible step's raw bytes) as last counted, that largest step, and the
+        # store's changes then; a save keeps them up instead of listing the store again.
+        self._room: tuple[int, int, int] | None = None
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -177,7 +181,7 @@ class Checkpointer:
             del flat
             return_freed_memory(keep=self.max_inflight_bytes)
         if self._deferred:
-            self._free_deferred()
+            self._free_deferred(saved=manifest)
         elif reference is not None:
             self._collect_hidden(reference.step)
         # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
@@ -245,18 +249,32 @@ class Checkpointer:
         self._deferred.update(steps)
         return self._free_deferred()
 
-    def _free_deferred(self) -> GcReport:
+    def _free_deferred(self, saved: Manifest | None = None) -> GcReport:
         """Free what deferred removals hold before the run could hold more than the plain
         format's files would: a re-base writes a step's new blob (at most its raw bytes) before
-        it deletes anything, so that much room is kept."""
+        it deletes anything, so that much room is kept. After a save (``saved``) that was the
+        only change since the last count, the count is kept up without listing the store."""
+        if saved is not None and self._room is not None \
+                and self.chain.store.changes == self._room[2] + 1:
+            left, largest, _ = self._room
+            grown = max(largest, saved.raw_bytes)
+            left += saved.raw_bytes - saved.stored_bytes - (grown - largest)
+            if left >= 0:
+                self._room = (left, grown, self.chain.store.changes)
+                return GcReport()
         rest = self.chain.at_rest()
-        return self.gc() if rest.total + rest.largest > rest.plain else GcReport()
+        if rest.total + rest.largest > rest.plain:
+            return self.gc()
+        self._room = (rest.plain - rest.total - rest.largest, rest.largest,
+                      self.chain.store.changes)
+        return GcReport()
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
         """Re-base and free what no visible step needs, keeping this writer's reference, and
         delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
         self._deferred.clear()
+        self._room = None
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
                              settings=self.settings, keyframe_every=self.keyframe_every)
 
@@ -272,6 +290,7 @@ class Checkpointer:
             former, self._reference = self._reference, None
             if self._deferred or (former is not None and self.chain.is_hidden(former.step)):
                 self._deferred.clear()
+                self._room = None
                 report = self.chain.collect(settings=self.settings,
                                             keyframe_every=self.keyframe_every)
         self.lease.release()
