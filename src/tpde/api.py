@@ -186,11 +186,13 @@ class Checkpointer:
             self._collect_hidden(reference.step)
         # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
         # purge, a deleted leftover would have put or deleted more): it added its blob and it.
-        if counted is not None and self.chain.store.changes == self._counted + 1:
-            self._run_bytes = counted + manifest.stored_bytes
-        else:
-            self._run_bytes = self.chain.at_rest().total
-        self._counted = self.chain.store.changes
+        # (Waiting removals may have counted the run, this save included, on the way.)
+        if self._run_bytes is None:
+            if counted is not None and self.chain.store.changes == self._counted + 1:
+                self._run_bytes = counted + manifest.stored_bytes
+            else:
+                self._run_bytes = self.chain.at_rest().total
+            self._counted = self.chain.store.changes
         return StepInfo.of(manifest, self._run_bytes)
 
     def _collect_hidden(self, former: int) -> None:
@@ -265,8 +267,9 @@ class Checkpointer:
         rest = self.chain.at_rest()
         if rest.total + rest.largest > rest.plain:
             return self.gc()
-        self._room = (rest.plain - rest.total - rest.largest, rest.largest,
-                      self.chain.store.changes)
+        changes = self.chain.store.changes
+        self._room = (rest.plain - rest.total - rest.largest, rest.largest, changes)
+        self._run_bytes, self._counted = rest.total, changes  # the next save need not count
         return GcReport()
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
