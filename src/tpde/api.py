@@ -153,10 +153,9 @@ class Checkpointer:
         self._run_bytes: int | None = None
         self._counted = 0
         self._deferred: set[int] = set()  # removed with defer=True, their bytes not yet freed
-        # While removals wait: the plain bytes less the run's bytes and the room for a re-base
-        # (the largest visible step's raw bytes) as last counted, that largest step, and the
-        # store's changes then; a save keeps them up instead of listing the store again.
-        self._room: tuple[int, int, int] | None = None
+        # While removals wait, beside the run's bytes: the raw bytes of its visible steps and
+        # of the largest one (``AtRest.plain``, ``AtRest.largest``), kept up the same way.
+        self._plain: tuple[int, int] | None = None
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -181,7 +180,7 @@ class Checkpointer:
             del flat
             return_freed_memory(keep=self.max_inflight_bytes)
         if self._deferred:
-            self._free_deferred(saved=manifest)
+            self._free_deferred(saved=manifest, counted=counted)
         elif reference is not None:
             self._collect_hidden(reference.step)
         # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
@@ -251,25 +250,26 @@ class Checkpointer:
         self._deferred.update(steps)
         return self._free_deferred()
 
-    def _free_deferred(self, saved: Manifest | None = None) -> GcReport:
+    def _free_deferred(self, saved: Manifest | None = None, counted: int | None = None
+                       ) -> GcReport:
         """Free what deferred removals hold before the run could hold more than the plain
         format's files would: a re-base writes a step's new blob (at most its raw bytes) before
-        it deletes anything, so that much room is kept. After a save (``saved``) that was the
-        only change since the last count, the count is kept up without listing the store."""
-        if saved is not None and self._room is not None \
-                and self.chain.store.changes == self._room[2] + 1:
-            left, largest, _ = self._room
-            grown = max(largest, saved.raw_bytes)
-            left += saved.raw_bytes - saved.stored_bytes - (grown - largest)
-            if left >= 0:
-                self._room = (left, grown, self.chain.store.changes)
-                return GcReport()
-        rest = self.chain.at_rest()
-        if rest.total + rest.largest > rest.plain:
-            return self.gc()
+        it deletes anything, so that much room is kept. After a save (``saved``, the run's
+        bytes ``counted`` before it) that was the only change since the last count, the counts
+        are kept up without listing the store."""
         changes = self.chain.store.changes
-        self._room = (rest.plain - rest.total - rest.largest, rest.largest, changes)
-        self._run_bytes, self._counted = rest.total, changes  # the next save need not count
+        if saved is not None and counted is not None and self._plain is not None \
+                and changes == self._counted + 1:
+            total = counted + saved.stored_bytes
+            plain, largest = self._plain[0] + saved.raw_bytes, max(self._plain[1],
+                                                                    saved.raw_bytes)
+        else:
+            rest = self.chain.at_rest()
+            total, plain, largest = rest.total, rest.plain, rest.largest
+        if total + largest > plain:
+            return self.gc()
+        self._plain = (plain, largest)
+        self._run_bytes, self._counted = total, changes  # the save need not count them again
         return GcReport()
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
@@ -277,7 +277,7 @@ class Checkpointer:
         delete leftovers of crashed saves older than ``grace_seconds``."""
         self._writing()
         self._deferred.clear()
-        self._room = None
+        self._plain = None
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
                              settings=self.settings, keyframe_every=self.keyframe_every)
 
@@ -293,7 +293,7 @@ class Checkpointer:
             former, self._reference = self._reference, None
             if self._deferred or (former is not None and self.chain.is_hidden(former.step)):
                 self._deferred.clear()
-                self._room = None
+                self._plain = None
                 report = self.chain.collect(settings=self.settings,
                                             keyframe_every=self.keyframe_every)
         self.lease.release()

@@ -251,6 +251,10 @@ class Store:
             return self.read_ranges(rel, [(a, b)])[0]
         kept, path = getattr(self._open, "fds", None), self._abs(rel)
         data = self._retry(f"read {rel} in", lambda: _pread(path, [[a, b, 0]], kept))[0]
+        return self._whole(rel, a, b, data)
+
+    def _whole(self, rel: str, a: int, b: int, data: Any) -> Any:
+        """``data``, read as ``rel``'s range ``[a, b)``, if none of it is missing."""
         if len(data) != b - a:
             raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
                              f"(range {a}-{b} gave {len(data)} bytes)")
@@ -286,9 +290,7 @@ class Store:
                 on_error="raise"), sum(b - a for a, b, _ in spans))
         out: list[bytes | memoryview] = [b""] * len(ranges)
         for n, ((start, end, first), data) in enumerate(zip(spans, got)):
-            if len(data) != end - start:
-                raise StoreError(f"{self.url}/{rel} is shorter than its manifest says "
-                                 f"(range {start}-{end} gave {len(data)} bytes)")
+            self._whole(rel, start, end, data)
             last = spans[n + 1][2] if n + 1 < len(spans) else len(order)
             if last - first == 1:
                 out[order[first]] = data
