@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import elias, frames, transform
+from tpde import elias, frame_threads, frames, transform
 from tpde.kernels import nvcomp
 from tpde.kernels import triton_kernels as tk
 
@@ -71,7 +71,7 @@ def main() -> None:
     ratio = round(raw / sec.stored, 3)
     row("nvCOMP decode (CPU zstd-1 frames)", median_s(
         lambda: nvcomp.decompress(fr, sec.raw, sec.chunk, dev), args.repeats), raw, ratio=ratio)
-    cpu_threads = frames.default_threads()
+    cpu_threads = frame_threads.default_threads()
     row(f"CPU zstd decode ({cpu_threads} threads)", median_s(
         lambda: frames.decompress(fr, sec.raw, sec.chunk), args.repeats), raw)
     row("CPU zstd decode + copy to device", median_s(

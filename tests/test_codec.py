@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, codec, dtypes, frames, transform
+from tpde import FormatError, codec, dtypes, frame_threads, frames, transform
 
 DTYPES = sorted(dtypes.BY_NAME)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -333,7 +334,7 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
         assert torch.equal(streamed, new)
         if how != "key":
             with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
-                mp.setattr(frames, "SPREAD_BYTES", 1)
+                mp.setattr(frame_threads, "SPREAD_BYTES", 1)
                 applied = transform.apply_streamed(
                     ref.clone(), frames.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
                     threads=threads)
@@ -354,7 +355,7 @@ def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int
     words = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
-        mp.setattr(frames, "SPREAD_BYTES", 1)
+        mp.setattr(frame_threads, "SPREAD_BYTES", 1)
         planes_path(mp, c)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
         back = transform.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
@@ -379,7 +380,7 @@ def test_a_residual_is_compressed_straight_from_the_words(n: int, width: int, ch
     new = ref + torch.randint(-3, 3, (n,), generator=g, dtype=torch.int64).to(word)
     rows, against = (w.view(torch.uint8).numpy().reshape(n, width) for w in (new, ref))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(frames, "SPREAD_BYTES", 1)
+        mp.setattr(frame_threads, "SPREAD_BYTES", 1)
         sec = frames.compress_planes(rows, against=against, mode=transform.residual_mode(*how),
                                      level=1, chunk=chunk, threads=threads)
     expected = transform.shuffle(transform.residual(new, ref, *how))
@@ -398,8 +399,8 @@ def test_a_residual_needs_words_that_the_c_loops_take() -> None:
 def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy(monkeypatch) -> None:
     """Two encode tasks spread frames at once; a part the frame threads have not started is
     done by the caller, never waited for (here the threads are held until the end)."""
-    monkeypatch.setattr(frames, "SPREAD_BYTES", 1)
-    pool = frames._frame_pool()
+    monkeypatch.setattr(frame_threads, "SPREAD_BYTES", 1)
+    pool = frame_threads._frame_pool()
     gate = threading.Event()
     held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
     rows = np.random.default_rng(0).integers(0, 8, (1 << 19, 4), dtype=np.uint8)
@@ -415,6 +416,60 @@ def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy(monkeyp
         for f in held:
             f.result()
     assert done[0] == frames.compress_planes(rows, chunk=1 << 16, threads=1)
+
+
+@given(count=st.integers(0, 200), threads=st.integers(1, 4), slow=st.integers(0, 200))
+def test_a_spread_does_every_index_once_in_runs_of_consecutive_ones(count: int, threads: int,
+                                                                     slow: int) -> None:
+    """However the threads share and steal the indices, each is done once, and each call of
+    ``work`` gets consecutive ones in order (slices of words share frames with their
+    neighbours). Index ``slow`` takes a while, so that the others steal around it."""
+    calls: list[list[int]] = []
+    lock = threading.Lock()
+
+    def work(mine) -> None:
+        got = []
+        for i in mine:
+            got.append(i)
+            if i == slow:
+                time.sleep(0.01)
+        with lock:
+            calls.append(got)
+
+    frame_threads.spread(count, threads, work, count * frame_threads.SPREAD_BYTES)
+    assert sorted(i for c in calls for i in c) == list(range(count))
+    assert all(c == list(range(c[0], c[0] + len(c))) for c in calls if c)
+
+
+def test_a_helper_that_starts_late_takes_half_of_what_is_left() -> None:
+    """The frame threads are busy with another caller's work until the caller has done 10 of
+    100 indices; the helper then takes the upper half of the 89 the caller has not started."""
+    pool = frame_threads._frame_pool()
+    gate, helped = threading.Event(), threading.Event()
+    held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
+    mine = threading.get_ident()
+    calls: list[tuple[bool, list[int]]] = []
+
+    def work(indices) -> None:
+        got = []
+        for i in indices:
+            got.append(i)
+            if threading.get_ident() != mine:
+                helped.set()
+            elif i == 10:
+                gate.set()  # the pool's threads are free from here on
+                assert helped.wait(timeout=30), "no frame thread took a share"
+        calls.append((threading.get_ident() == mine, got))
+
+    try:
+        frame_threads.spread(100, 2, work, 100 * frame_threads.SPREAD_BYTES)
+    finally:
+        gate.set()
+        for f in held:
+            f.result()
+    stolen = [got for caller, got in calls if not caller]
+    assert stolen[0] == list(range(100 - 89 // 2, 100))  # then, the caller held, the rest
+    assert sorted(i for _, got in calls for i in got) == list(range(100))
 
 
 def test_one_compressor_per_window_makes_the_frames_of_a_fresh_one_for_each_chunk() -> None:

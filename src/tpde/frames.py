@@ -10,17 +10,16 @@ size and the total.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import zstandard
 
 from . import heap
+from .frame_threads import spread
 from .errors import FormatError
 
 try:  # byte planes and residuals in C (_planes.c), with the GIL released
@@ -30,10 +29,6 @@ except ImportError:  # built without a compiler: numpy's passes
 
 DEFAULT_CHUNK = 256 * 1024
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
-#: The fewest raw bytes worth handing to another frame thread. The writer's and the reader's
-#: tasks already code tensors side by side: spreading a 1 MB tensor's frames as well (from
-#: 256 KiB on) saved compare.py's A at 594 MB/s, against 646 from 2 MiB on (C: 618 / 611).
-SPREAD_BYTES = 2 << 20
 #: None: the parameters of ``compressor`` below, measured for byte planes; an int: that zstd level.
 DEFAULT_LEVEL: int | None = None
 
@@ -61,11 +56,6 @@ def _window(chunk: int) -> int:
     """The window log that covers a chunk: all the default compressor depends on."""
     return max(10, (chunk - 1).bit_length())
 
-
-@functools.cache
-def default_threads() -> int:
-    """Asked for by every spread of frames: ``os.cpu_count`` takes 6 us here, once."""
-    return max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -137,7 +127,7 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     starts = range(0, raw, chunk)
     out: list[bytes] = [b""] * len(starts)
 
-    def work(mine: range) -> None:
+    def work(mine: Iterable[int]) -> None:
         cctx = _compressor(level, chunk)
         buf = np.empty(min(chunk, raw), dtype=np.uint8)
         for j in mine:
@@ -198,7 +188,7 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     def split(lo: int, hi: int, planes: np.ndarray, room: int) -> None:
         native.diff(rows[lo:hi], against[lo:hi], width, planes, mode, room)
 
-    def work(mine: range) -> None:
+    def work(mine: Iterable[int]) -> None:
         cctx = _compressor(level, chunk)
         planes = np.empty(width * cap, dtype=np.uint8)
         buf = np.empty(min(chunk, raw), dtype=np.uint8)
@@ -221,7 +211,7 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
                     at += m
                 out[j] = cctx.compress(buf[:at])
 
-    spread(len(order), threads, work, raw, runs=True)
+    spread(len(order), threads, work, raw)
     return Section(raw, chunk, tuple(out))
 
 
@@ -284,21 +274,19 @@ def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = No
     a 200 MB keyframe restored at 2.0-2.2 GB/s, 57% of its samples in the puts.
     """
     n, width = rows.shape
-    sizes = raw_sizes(stream.raw, stream.chunk)
-    if len(sizes) != len(stream.frames) or n * width != stream.raw:
+    if len(raw_sizes(stream.raw, stream.chunk)) != len(stream.frames) or n * width != stream.raw:
         raise FormatError("chunk count does not match the stream's raw size")
-    # zstd allocates what a frame declares, whatever max_output_size says: sizes first, and
-    # nothing allocated before the frames have been checked. A frame that declares no size
-    # (some GPU encoders omit it) is bounded by its chunk's.
-    check_declared(stream.frames, sizes)
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
-    def work(mine: range) -> None:
-        framed = Framed(stream.frames, stream.raw, stream.chunk, checked=True)
+    def work(mine: Iterable[int]) -> None:
+        # Each frame's declared size is checked as its thread reaches it (``Framed``), not
+        # all of them first on this thread: 0.5 ms of a 32 MiB piece's 12 that nothing
+        # else ran beside.
+        framed = Framed(stream.frames, stream.raw, stream.chunk)
         for lo in (i * per for i in mine):
             framed.words_into(n, lo, rows[lo : lo + per])
 
-    spread(-(-n // per), threads, work, stream.raw, runs=True)
+    spread(-(-n // per), threads, work, stream.raw)
 
 
 def take(rows: np.ndarray, k: int, first: int, out: np.ndarray) -> None:
@@ -331,10 +319,8 @@ def join(planes: np.ndarray, rows: np.ndarray) -> None:
             rows[:, k] = planes[k]
 
 
-# ---------------------------------------------------------------- the frame threads
+# ---------------------------------------------------------------- each thread's zstd contexts
 _local = threading.local()
-_pool_lock = threading.Lock()
-_pools: dict[int, ThreadPoolExecutor] = {}
 
 
 def _compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
@@ -356,53 +342,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.dctx
 
 
-def spread(count: int, threads: int | None, work: Callable[[range], None], raw: int, *,
-           runs: bool = False) -> None:
-    """``work`` over ``count`` frames on up to ``threads`` threads, this one included, each
-    taking every n-th frame (a stream's byte planes compress at very different speeds, so
-    interleaving balances the threads where halves would not); with ``runs``, each taking a
-    run of consecutive ones (slices of words whose frames their neighbours share).
-
-    zstd releases the GIL for each frame; the process keeps its frame threads, where
-    zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
-    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x). Each thread
-    gets at least ``SPREAD_BYTES`` of the ``raw`` bytes: below that a hand-off costs more
-    than it spares, and small tensors are already coded side by side by the writer's tasks.
-    """
-    n = max(1, min(threads or default_threads(), count, raw // SPREAD_BYTES))
-    if n == 1:
-        work(range(count))
-        return
-    pool = _frame_pool()
-    parts = [range(count * t // n, count * (t + 1) // n) if runs else range(t, count, n)
-             for t in range(n)]
-    others = [(pool.submit(work, part), part) for part in parts[1:]]
-    try:
-        work(parts[0])
-        # A part the pool has not started yet (its threads are busy with another caller's
-        # frames) is done here instead of waited for: two encode tasks spreading at once made
-        # each other wait, and two threads saved a delta step 1.1x faster than one.
-        for f, part in others:
-            if f.cancel():
-                work(part)
-    finally:
-        for f, _ in others:
-            if not f.cancel():
-                f.result()
-
-
-def _frame_pool() -> ThreadPoolExecutor:
-    """Made once per process (a forked child makes its own: the parent's threads do not exist
-    there); only leaf work runs on it, so callers on other pools cannot deadlock it."""
-    with _pool_lock:
-        pid = os.getpid()
-        if pid not in _pools:
-            _pools.clear()
-            _pools[pid] = ThreadPoolExecutor(default_threads() - 1 or 1,
-                                             thread_name_prefix="tpde-frames")
-        return _pools[pid]
-
-
 class Framed:
     """A section's frames, decompressed only as its bytes are asked for.
 
@@ -411,12 +350,10 @@ class Framed:
     frame from the store only when it is asked for. Frames are decompressed into a few reused
     buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
     plane, slice after slice, decompresses each frame once. The restore path reads frames held
-    in memory the same way, a run of slices per frame thread (``unshuffle_into``), with, once
-    every frame's declared size is ``checked``, no check per frame.
+    in memory the same way, a run of slices per frame thread (``unshuffle_into``).
     """
 
-    def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int, *,
-                 checked: bool = False) -> None:
+    def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int) -> None:
         self.sizes = raw_sizes(raw, chunk)
         if len(self.sizes) != len(frames):
             raise FormatError("chunk count does not match the stream's raw size")
@@ -424,7 +361,6 @@ class Framed:
         self.keep = 2  # frames held decompressed: enough to read a plane in order
         self._held: dict[int, np.ndarray] = {}  # frame index -> its buffer, oldest first
         self._spare: list[np.ndarray] = []
-        self._checked = checked  # every frame's declared size already checked
 
     def __len__(self) -> int:
         return self.raw
@@ -438,8 +374,7 @@ class Framed:
             self._spare.append(self._held.pop(next(iter(self._held))))
         buf = self._spare.pop() if self._spare else heap.in_heap(self.chunk)
         frame, view, got = self.frames[i], memoryview(buf)[:n], 0
-        if not self._checked:
-            check_declared([frame], [n])
+        check_declared([frame], [n])
         try:
             with _decompressor().stream_reader(frame, read_across_frames=False) as reader:
                 while got < n:

@@ -10,10 +10,12 @@ high bytes of nearby floats repeat and the low bytes are noise. Nothing here tou
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 import torch
 
-from . import frames, heap
+from . import frame_threads, frames, heap
 from .errors import FormatError
 
 RESIDUALS = ("xor", "sub")
@@ -117,7 +119,7 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
-    def work(mine: range) -> None:
+    def work(mine: Iterable[int]) -> None:
         framed = stream if isinstance(stream, frames.Framed) \
             else frames.Framed(stream.frames, stream.raw, stream.chunk)
         # Without _planes, no allocation per slice: the residual's planes, its words and the
@@ -139,7 +141,7 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     if isinstance(stream, frames.Framed):
         work(range(count))  # its frames may be read from the store as they are asked for
     else:
-        frames.spread(count, threads, work, n * width, runs=True)
+        frame_threads.spread(count, threads, work, n * width)
     return ref
 
 

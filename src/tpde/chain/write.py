@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import codec, dtypes, frames, quant, transform, tree
+from .. import codec, dtypes, frame_threads, frames, quant, transform, tree
 from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, format_for, record_hash
 from ..store import BlobWriter
@@ -179,7 +179,7 @@ class Writer(Reader):
                 choices[piece.name] = enc.choice
 
         try:
-            workers = settings.threads or frames.default_threads()
+            workers = settings.threads or frame_threads.default_threads()
             with ThreadPoolExecutor(workers, thread_name_prefix="tpde-encode") as pool:
                 pending: deque[tuple[list[Piece], int, Future]] = deque()
                 inflight = 0

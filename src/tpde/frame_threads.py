@@ -1,0 +1,114 @@
+"""The process's frame threads, and how one call's frames are shared out over them.
+
+Below the codec: what is shared out is a caller's own work on indices (frames to compress,
+slices of words to decode), nothing about frames or formats.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator
+
+#: The fewest raw bytes worth handing to another frame thread. The writer's and the reader's
+#: tasks already code tensors side by side: spreading a 1 MB tensor's frames as well (from
+#: 256 KiB on) saved compare.py's A at 594 MB/s, against 646 from 2 MiB on (C: 618 / 611).
+SPREAD_BYTES = 2 << 20
+
+_pool_lock = threading.Lock()
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+@functools.cache
+def default_threads() -> int:
+    """Asked for by every spread of frames: ``os.cpu_count`` takes 6 us here, once."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
+           raw: int) -> None:
+    """``work`` over ``count`` frames (or slices of words) on up to ``threads`` threads, this
+    one included. ``work`` gets the indices it is to do, in order; a thread that has none left
+    takes the upper half of what remains of the fullest share (``_Shares``), and runs ``work``
+    again on it.
+
+    Static shares left a thread idle wherever the other was slowed: by a stream's byte planes
+    compressing at very different speeds, or by the pool's threads being busy with another
+    caller's frames when the share was handed out (two encode tasks spreading at once), after
+    which the whole share fell to the caller. Consecutive indices stay with one thread (slices
+    of words share frames with their neighbours), and a helper the pool starts late only takes
+    what is left by then.
+
+    zstd releases the GIL for each frame; the process keeps its frame threads, where
+    zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
+    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x). Each thread
+    gets at least ``SPREAD_BYTES`` of the ``raw`` bytes: below that a hand-off costs more
+    than it spares, and small tensors are already coded side by side by the writer's tasks.
+    """
+    n = max(1, min(threads or default_threads(), count, raw // SPREAD_BYTES))
+    if n == 1:
+        work(range(count))
+        return
+    shares = _Shares(count)
+    pool = _frame_pool()
+    helpers = [pool.submit(shares.run, work, None) for _ in range(n - 1)]
+    try:
+        shares.run(work, shares.first)
+    finally:
+        for f in helpers:
+            if not f.cancel():
+                f.result()
+
+
+class _Shares:
+    """The indices of one ``spread``, as each thread's share ``[at, end)``. Shares change
+    under a lock: a thread takes its next index from its own, a thief the upper half of the
+    fullest."""
+
+    def __init__(self, count: int) -> None:
+        self.lock = threading.Lock()
+        self.first = [0, count]
+        self.all = [self.first]
+
+    def run(self, work: Callable[[Iterable[int]], None], mine: list[int] | None) -> None:
+        """``work`` on ``mine`` (None: a stolen share), then on stolen shares until no share
+        has two indices left."""
+        if mine is None:
+            mine = self._steal()
+        while mine is not None:
+            work(self._indices(mine))
+            mine = self._steal()
+
+    def _indices(self, share: list[int]) -> Iterator[int]:
+        while True:
+            with self.lock:
+                i, end = share
+                if i >= end:
+                    return
+                share[0] = i + 1
+            yield i
+
+    def _steal(self) -> list[int] | None:
+        with self.lock:
+            victim = max(self.all, key=lambda s: s[1] - s[0])
+            left = victim[1] - victim[0]
+            if left < 2:
+                return None
+            share = [victim[1] - left // 2, victim[1]]
+            victim[1] = share[0]
+            self.all.append(share)
+            return share
+
+
+def _frame_pool() -> ThreadPoolExecutor:
+    """Made once per process (a forked child makes its own: the parent's threads do not exist
+    there); only leaf work runs on it, so callers on other pools cannot deadlock it."""
+    with _pool_lock:
+        pid = os.getpid()
+        if pid not in _pools:
+            _pools.clear()
+            _pools[pid] = ThreadPoolExecutor(default_threads() - 1 or 1,
+                                             thread_name_prefix="tpde-frames")
+        return _pools[pid]
