@@ -64,7 +64,7 @@ class Section:
 
     raw: int
     chunk: int
-    frames: tuple[bytes, ...]
+    frames: tuple[bytes | memoryview, ...]
 
     @functools.cached_property
     def stored(self) -> int:
