@@ -343,7 +343,7 @@ def test_one_tensor_is_read_by_range_without_the_whole_blob(store_url) -> None:
 def test_a_decode_hands_records_to_its_pool_in_runs_and_gets_them_back_in_order(sizes) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from tpde.chain import read
+    from tpde.chain import decode
 
     handed: list[int] = []
 
@@ -354,11 +354,11 @@ def test_a_decode_hands_records_to_its_pool_in_runs_and_gets_them_back_in_order(
             return list(pool.map(fn, runs))
 
     jobs = [(i, n) for i, n in enumerate(sizes)]
-    assert read._in_runs(run, lambda i, n: (i, n * 2), jobs, sizes) == [(i, n * 2) for i, n in jobs]
+    assert decode.in_runs(run, lambda i, n: (i, n * 2), jobs, sizes) == [(i, n * 2) for i, n in jobs]
     assert sum(handed) == len(jobs)
     # Small neighbours share a task; a task of several holds at most TASK_BYTES.
     assert len(handed) <= len(jobs)
-    if sizes and max(sizes) <= read.TASK_BYTES // 4 and sum(sizes) <= read.TASK_BYTES:
+    if sizes and max(sizes) <= decode.TASK_BYTES // 4 and sum(sizes) <= decode.TASK_BYTES:
         assert handed == [len(jobs)]
 
 

@@ -2,148 +2,28 @@
 
 from __future__ import annotations
 
-import os
-import threading
 from collections import defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import codec, dtypes, elias, frame_threads, frames, heap, tree
+from .. import dtypes, elias, heap, tree
 from ..errors import CorruptionError, FormatError, TPDEError
-from ..manifest import Manifest, Record, hash_matches
+from ..manifest import Manifest, Record
 from . import sharded
 from .base import ChainBase, Problem, Progress
+from .decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild, rebuild_checked,
+                     verified)
 from .plan import batches
 from .spans import span_places, span_words, warn_lossy
 
 #: Words a rebuild reads and decompresses at once (``Chain.materialize``). 32 MiB restores as
 #: fast as 128 MiB did (a 200 MB delta step: 1.09 s against 1.07 s) and holds 100 MB less.
 DECODE_BATCH_BYTES = 32 << 20
-#: A decode hands its records to the pool in runs of neighbouring records of up to about this
-#: many raw bytes, a task each: one task per record cost E's latest-step restore (2500 records,
-#: most of a few kB) more in hand-offs than in decoding.
-TASK_BYTES = 1 << 20
 #: Times a read starts again when the run's writer rewrote what it was reading (a re-base).
 REREADS = 3
-
-
-_pool_lock = threading.Lock()
-_pools_of: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = {}
-
-
-def _pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-    """The process's decode threads and the threads that fetch one step ahead.
-
-    Made once per process (a forked child, such as a DataLoader worker, makes its own: the
-    parent's threads do not exist there): a mount decodes one module at a time, many times a
-    second, and starting threads for every decode cost more than decoding a small module.
-    """
-    with _pool_lock:
-        pid = os.getpid()
-        if pid not in _pools_of:
-            _pools_of.clear()
-            _pools_of[pid] = (
-                ThreadPoolExecutor(frame_threads.default_threads(), thread_name_prefix="tpde-decode"),
-                ThreadPoolExecutor(2, thread_name_prefix="tpde-prefetch"))
-        return _pools_of[pid]
-
-
-def _attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` returning its TPDEError instead of raising it, for results gathered from a pool."""
-    def run(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except TPDEError as exc:
-            return exc
-    return run
-
-
-def _in_runs(run: Callable[..., Iterable[Any]], fn: Callable[..., Any], jobs: list[tuple],
-            sizes: list[int]) -> list[Any]:
-    """``fn(*job)`` of every job, in order; ``run`` (a pool's ``map``, or ``map``) gets runs of
-    neighbouring jobs of up to ``TASK_BYTES`` (``sizes`` are the jobs' raw bytes)."""
-    return [out for outs in run(lambda js: [fn(*j) for j in js], batches(jobs, sizes, TASK_BYTES))
-            for out in outs]
-
-
-def _decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dict[str, Any]:
-    """The record's sections made ready for its decode. ``mode``: ``"fused"`` leaves the
-    values of keyframe and dense records as frames that the decode decompresses straight into
-    their words (``frames.Frames``); ``"stream"`` leaves them as frames decompressed as the
-    decode reaches them, through a few reused buffers (``frames.Framed``: memory first);
-    ``"gpu"`` leaves every record's values to nvCOMP; ``"host"`` decompresses everything here.
-    """
-    out: dict[str, Any] = {}
-    for (name, s), fr in zip(r.sections.items(), framed.values()):
-        if name != "values" or mode == "host" or (mode != "gpu" and r.codec not in _STREAMED):
-            out[name] = frames.decompress(fr, s.raw, s.chunk)
-        elif mode == "fused":
-            out[name] = frames.Frames(fr, s.raw, s.chunk)
-        elif mode == "stream":
-            out[name] = frames.Framed(fr, s.raw, s.chunk)
-    return out
-
-
-def _rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None],
-             dest: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode one record against its reference words (``backend`` None: here; the GPU
-    backend keeps the words on its device); a keyframe record into ``dest`` where it can."""
-    r, _, secs, ref, positions, backend = job
-    if isinstance(secs, TPDEError):
-        raise secs
-    dt = dtypes.by_name(r.dtype)
-    n = r.numel * dt.words_per_element
-    # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
-                        positions=positions, inplace=True, backend=backend,
-                        grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None,
-                        dest=dest)
-
-
-def _check(r: Record, check: bool, words: torch.Tensor | TPDEError) -> torch.Tensor:
-    """``words`` if they hash to the record's hash (or need no check)."""
-    if isinstance(words, TPDEError):
-        raise words
-    if check and not hash_matches(words.view(torch.uint8).cpu().numpy(), r.hash):
-        raise CorruptionError("restored bytes do not match the stored hash; the chain is "
-                              "damaged at this step")
-    return words
-
-
-def _rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None], *,
-                     at: int, final: dict[str, int], into: dict[str, torch.Tensor],
-                     taken: dict[str, int], passed: dict[str, torch.Tensor],
-                     later: Callable[[Record, int], bool]) -> torch.Tensor:
-    """``_rebuild`` and ``_check`` on the host, where the decompressed sections can go as soon
-    as their record is rebuilt (a GPU's stay until the device is done with them). A record
-    with a place in ``into`` is decoded there from its keyframe on, or, where its codecs
-    could not work in place, copied there once rebuilt at step ``final[name]``. Words that
-    ``materialize``'s caller asked for on the way (rebuilt at ``taken[name]``) are copied
-    into ``passed`` here, beside the other rebuilds: the next delta changes them in place.
-    Where ``later(record, at)``, the caller checks the words itself."""
-    r = job[0]
-    dest = into.get(r.name)
-    try:
-        words = _rebuild(job, dest if job[3] is None else None)
-        if not later(r, at):
-            words = _check(r, job[1], words)
-    finally:
-        if isinstance(job[2], dict):
-            job[2].clear()
-    if taken.get(r.name) == at:
-        passed[r.name] = words.clone()
-    if dest is not None and final[r.name] == at and words.data_ptr() != dest.data_ptr():
-        dest.copy_(words)
-        return dest
-    return words
-
-
-#: Codecs whose values a memory-first decode streams (``transform.streamed_words``,
-#: ``transform.apply_streamed``); the others' values are small or needed whole.
-_STREAMED = ("key", "dense")
 
 
 class _FramesOnDemand:
@@ -176,7 +56,7 @@ class Reader(ChainBase):
         """The frames of ``recs``' sections: one GET of a blob, or range reads for a few.
         With ``streamed`` the values of keyframe and dense records are read frame by frame
         as the decode asks for them (``_FramesOnDemand``)."""
-        later = [streamed and name == "values" and r.codec in _STREAMED
+        later = [streamed and name == "values" and r.codec in STREAMED
                  for r in recs for name in r.sections]
         wanted = [(m.blob_of(r), s.offset, s.offset + s.length)
                   for r in recs for s in r.sections.values()]
@@ -325,7 +205,7 @@ class Reader(ChainBase):
             on_gpu = backend is not None and backend.nvcomp
             mode = "gpu" if on_gpu else "host" if backend is not None else \
                 "stream" if stream else "fused"
-            sections = _in_runs(spread, _attempt(_decompress),
+            sections = in_runs(spread, attempt(decompress),
                                 [(r, f, mode) for r, f in zip(recs, fetched)],
                                 [r.raw_bytes for r in recs])
             if on_gpu:
@@ -336,16 +216,16 @@ class Reader(ChainBase):
                 return todo, sections, [None] * len(todo)
             return todo, sections, self._positions(recs, sections)
 
-        pool, ahead = _pools()
+        pool, ahead = pools()
         # Without look-ahead memory comes first: values streamed frame by frame, and records
         # rebuilt on this thread (each decode thread's malloc arena would keep what it freed:
         # measured 15 MB more for a 3 MB module).
         stream = not look_ahead and backend is None
         spread = pool.map if look_ahead else map
         # With look-ahead, words that nothing rebuilds further are hashed on the prefetch
-        # threads while the next records are rebuilt: a 32 MiB piece's hash took 1.1 ms of
-        # its 12 that the other core had nothing to do beside.
-        checks: list[tuple[Record, int, Future]] = []
+        # threads while the next records are rebuilt, a task per batch: a 32 MiB piece's hash
+        # took 1.1 ms of its 12 that the other core had nothing to do beside.
+        checks: list[tuple[int, list[Record], Future]] = []
 
         def later(r: Record, at: int) -> bool:
             return look_ahead and final[r.name] == at and taken.get(r.name) != at
@@ -369,7 +249,7 @@ class Reader(ChainBase):
                 jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
                 if backend is None:
-                    rebuilt = _in_runs(spread, _attempt(partial(_rebuild_checked, at=at,
+                    rebuilt = in_runs(spread, attempt(partial(rebuild_checked, at=at,
                                                                 final=final, into=into,
                                                                 taken=taken, passed=passed,
                                                                 later=later)),
@@ -377,27 +257,32 @@ class Reader(ChainBase):
                 else:
                     # Kernels are launched from this thread, one record after another (the
                     # device runs them in order either way); the hashes are computed in the pool.
-                    words = [_attempt(_rebuild)(job) for job in jobs]
+                    words = [attempt(rebuild)(job) for job in jobs]
                     backend.done([w for w in words if isinstance(w, torch.Tensor)])
-                    rebuilt = pool.map(_attempt(_check), [j[0] for j in jobs],
+                    rebuilt = pool.map(attempt(verified), [j[0] for j in jobs],
                                        [j[1] for j in jobs], words)
+                finals: list[tuple[Record, torch.Tensor]] = []
                 for (r, checked, *_), done in zip(jobs, rebuilt):
                     if isinstance(done, TPDEError):
                         refused(r, checked, done, at)
                         continue
                     current[r.name] = done
                     if backend is None and checked and later(r, at):
-                        checks.append((r, at, ahead.submit(_attempt(_check), r, checked, done)))
+                        finals.append((r, done))
                     if taken.get(r.name) == at and r.name not in passed:  # rebuilt on a device
                         passed[r.name] = done.clone()
                     if progress:
                         progress(r.raw_bytes)
-                del prepared, jobs, rebuilt  # this batch's sections, before the next is waited on
+                if finals:
+                    checks.append((at, [r for r, _ in finals], ahead.submit(
+                        lambda fs: [attempt(verified)(r, True, w) for r, w in fs], finals)))
+                del prepared, jobs, rebuilt, finals  # this batch's, before the next is waited on
                 if not look_ahead:
                     heap.freed(sum(r.raw_bytes for r, _ in batch))
-        for r, at, done in checks:
-            if isinstance(done.result(), TPDEError):
-                refused(r, True, done.result(), at)
+        for at, recs, done in checks:
+            for r, found in zip(recs, done.result()):
+                if isinstance(found, TPDEError):
+                    refused(r, True, found, at)
         result = {}
         for rec in wanted:
             if rec.name in failed:

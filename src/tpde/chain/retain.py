@@ -24,7 +24,7 @@ from ..manifest import Manifest, Record, format_for
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name, numbered
 from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
                    readers_of, record_depth)
-from .read import _in_runs, _pools
+from .decode import in_runs, pools
 from .write import Writer, put_sections
 
 #: Raw bytes of records re-coded at once by a re-base (and stored bytes copied at once).
@@ -161,7 +161,7 @@ class Retainer(Writer):
                              None if ref_words is None else self._carried(r, old.step)))
             # Coded side by side, a run of small records per task, as a save codes them: one
             # at a time, G's re-bases spent a third of their time coding on one core.
-            coded = _in_runs(_pools()[0].map, partial(_recode, settings=settings), jobs,
+            coded = in_runs(pools()[0].map, partial(_recode, settings=settings), jobs,
                              [r.raw_bytes for r in recode])
             for r, enc in zip(recode, coded):
                 v = plan[r.name].against
