@@ -19,8 +19,8 @@ import numpy as np
 import zstandard
 
 from . import heap
-from .frame_threads import spread
 from .errors import FormatError
+from .frame_threads import spread
 
 try:  # byte planes and residuals in C (_planes.c), with the GIL released
     from . import _planes as native
@@ -55,7 +55,6 @@ def compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
 def _window(chunk: int) -> int:
     """The window log that covers a chunk: all the default compressor depends on."""
     return max(10, (chunk - 1).bit_length())
-
 
 
 @dataclass(frozen=True)
