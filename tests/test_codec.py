@@ -358,8 +358,8 @@ def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int
         mp.setattr(frame_threads, "SPREAD_BYTES", 1)
         planes_path(mp, c)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
-        back = transform.framed_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
-                                  threads=threads)
+        back = transform.stream_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
+                                   threads=threads)
     assert sec == frames.compress(_bytes_of(transform.shuffle(words)), level=1, chunk=chunk)
     assert torch.equal(back, words)
 

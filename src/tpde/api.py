@@ -183,14 +183,10 @@ class Checkpointer:
             self._free_deferred(saved=manifest, counted=counted)
         elif reference is not None:
             self._collect_hidden(reference.step)
-        # Since the count, only this save's manifest was put (a lease renewal, a re-base, a
-        # purge, a deleted leftover would have put or deleted more): it added its blob and it.
         # (Waiting removals may have counted the run, this save included, on the way.)
         if self._run_bytes is None:
-            if counted is not None and self.chain.store.changes == self._counted + 1:
-                self._run_bytes = counted + manifest.stored_bytes
-            else:
-                self._run_bytes = self.chain.at_rest().total
+            kept_up = self._kept_up(counted, manifest)
+            self._run_bytes = kept_up if kept_up is not None else self.chain.at_rest().total
             self._counted = self.chain.store.changes
         return StepInfo.of(manifest, self._run_bytes)
 
@@ -257,10 +253,8 @@ class Checkpointer:
         it deletes anything, so that much room is kept. After a save (``saved``, the run's
         bytes ``counted`` before it) that was the only change since the last count, the counts
         are kept up without listing the store."""
-        changes = self.chain.store.changes
-        if saved is not None and counted is not None and self._plain is not None \
-                and changes == self._counted + 1:
-            total = counted + saved.stored_bytes
+        total = self._kept_up(counted, saved) if saved is not None and self._plain else None
+        if total is not None:
             plain, largest = self._plain[0] + saved.raw_bytes, max(self._plain[1],
                                                                     saved.raw_bytes)
         else:
@@ -269,8 +263,17 @@ class Checkpointer:
         if total + largest > plain:
             return self.gc()
         self._plain = (plain, largest)
-        self._run_bytes, self._counted = total, changes  # the save need not count them again
+        # the save need not count them again
+        self._run_bytes, self._counted = total, self.chain.store.changes
         return GcReport()
+
+    def _kept_up(self, counted: int | None, saved: Manifest) -> int | None:
+        """The run's bytes ``counted`` before a save plus what it stored, if that save's
+        manifest was the only thing put since the count (a lease renewal, a re-base, a purge, a
+        deleted leftover would have put or deleted more); None where the run must be listed."""
+        if counted is not None and self.chain.store.changes == self._counted + 1:
+            return counted + saved.stored_bytes
+        return None
 
     def gc(self, *, grace_seconds: float = 3600.0) -> GcReport:
         """Re-base and free what no visible step needs, keeping this writer's reference, and

@@ -30,9 +30,8 @@ import torch
 
 from . import elias, frames, quant
 from .errors import FormatError
-from .transform import (HOST_SLICE, apply_residual, apply_streamed, framed_words, native_rows,
-                        residual, residual_kinds, residual_mode, shuffle, streamed_words,
-                        unshuffle)
+from .transform import (HOST_SLICE, apply_residual, apply_streamed, native_rows, residual,
+                        residual_kinds, residual_mode, shuffle, stream_words, unshuffle)
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")
@@ -539,10 +538,8 @@ def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
     # Taken out of the record's sections: the planes are freed once unshuffled, not held
     # while the words are applied to the reference.
     data = sections.pop(name)
-    if isinstance(data, frames.Framed):
-        return streamed_words(data, word_dtype, out=dest)
-    if isinstance(data, frames.Frames):
-        return framed_words(data, word_dtype, out=dest)
+    if isinstance(data, (frames.Framed, frames.Frames)):
+        return stream_words(data, word_dtype, out=dest)
     if not (isinstance(data, np.ndarray) and data.flags.writeable):
         data = np.frombuffer(bytearray(data), dtype=np.uint8)
     return unshuffle(torch.from_numpy(data.view(np.uint8).reshape(-1)), word_dtype)

@@ -13,7 +13,7 @@ import functools
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import zstandard
@@ -262,30 +262,45 @@ class Frames:
     chunk: int
 
 
-def unshuffle_into(stream: Frames, rows: np.ndarray, *, threads: int | None = None) -> None:
+def by_slices(stream: Frames | Framed, n: int,
+              work: Callable[[Framed, Iterable[int]], None], *, threads: int | None = None
+              ) -> None:
+    """``work(framed, starts)`` over the slices of a stream of the byte planes of ``n`` words,
+    each slice ``chunk`` words (its part of every plane spans at most two frames), given by
+    its first word. A ``Framed`` is read on this thread, as its frames may be fetched as they
+    are reached; frames held in memory are shared out in runs of slices over the frame
+    threads, each reading them through a ``Framed`` of its own, which checks each frame's
+    declared size as its thread reaches it (not all of them first on this thread: 0.5 ms of a
+    32 MiB piece's 12 that nothing else ran beside)."""
+    per = stream.chunk
+    if isinstance(stream, Framed):
+        work(stream, range(0, n, per))
+        return
+    spread(-(-n // per), threads,
+           lambda mine: work(Framed(stream.frames, stream.raw, stream.chunk),
+                             (i * per for i in mine)), stream.raw)
+
+
+def unshuffle_into(stream: Frames | Framed, rows: np.ndarray, *,
+                   threads: int | None = None) -> None:
     """Decompress a stream of byte planes straight into the words they hold: ``rows`` is the
     words' bytes, one row per word, and byte ``i`` of plane ``k`` goes to ``rows[i, k]``.
 
-    The frame threads each take a run of slices of words; a slice's part of every plane is
-    decompressed (each frame once, as ``Framed`` keeps the last ones) and its words are joined
-    from the frames in cache, in one write pass (``Framed.words_into``). No copy of the planes is
-    held beside the words, and the words are not written once per plane: put plane by plane,
-    a 200 MB keyframe restored at 2.0-2.2 GB/s, 57% of its samples in the puts.
+    Slice by slice (``by_slices``), a slice's part of every plane is decompressed (each frame
+    once, as ``Framed`` keeps the last ones) and its words are joined from the frames in cache,
+    in one write pass (``Framed.words_into``). No copy of the planes is held beside the words,
+    and the words are not written once per plane: put plane by plane, a 200 MB keyframe
+    restored at 2.0-2.2 GB/s, 57% of its samples in the puts.
     """
     n, width = rows.shape
     if len(raw_sizes(stream.raw, stream.chunk)) != len(stream.frames) or n * width != stream.raw:
         raise FormatError("chunk count does not match the stream's raw size")
-    per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
-    def work(mine: Iterable[int]) -> None:
-        # Each frame's declared size is checked as its thread reaches it (``Framed``), not
-        # all of them first on this thread: 0.5 ms of a 32 MiB piece's 12 that nothing
-        # else ran beside.
-        framed = Framed(stream.frames, stream.raw, stream.chunk)
-        for lo in (i * per for i in mine):
-            framed.words_into(n, lo, rows[lo : lo + per])
+    def work(framed: Framed, starts: Iterable[int]) -> None:
+        for lo in starts:
+            framed.words_into(n, lo, rows[lo : lo + stream.chunk])
 
-    spread(-(-n // per), threads, work, stream.raw)
+    by_slices(stream, n, work, threads=threads)
 
 
 def take(rows: np.ndarray, k: int, first: int, out: np.ndarray) -> None:
@@ -349,7 +364,7 @@ class Framed:
     frame from the store only when it is asked for. Frames are decompressed into a few reused
     buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
     plane, slice after slice, decompresses each frame once. The restore path reads frames held
-    in memory the same way, a run of slices per frame thread (``unshuffle_into``).
+    in memory the same way, a run of slices per frame thread (``by_slices``).
     """
 
     def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int) -> None:

@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import frame_threads, frames, heap
+from . import frames, heap
 from .errors import FormatError
 
 RESIDUALS = ("xor", "sub")
@@ -64,34 +64,22 @@ def _holds(out: torch.Tensor | None, nbytes: int, word_dtype: torch.dtype) -> bo
         and out.numel() * out.element_size() == nbytes
 
 
-def streamed_words(stream: frames.Framed, word_dtype: torch.dtype,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """The words of a shuffled stream, read a slice at a time: no copy of the planes beside
-    them, and each slice's words joined in cache from its part of every plane. ``out`` (host
-    words of the right size) receives them instead of a new buffer."""
-    width = torch.empty(0, dtype=word_dtype).element_size()
-    if len(stream) % width:
-        raise FormatError("byte planes do not hold a whole number of words")
-    n = len(stream) // width
-    words = out if _holds(out, n * width, word_dtype) else \
-        torch.from_numpy(heap.in_heap(n * width)).view(word_dtype)
-    rows = words.view(torch.uint8).numpy().reshape(n, width)
-    for lo in range(0, n, stream.chunk):
-        stream.words_into(n, lo, rows[lo : lo + stream.chunk])
-    return words
-
-
-def framed_words(stream: frames.Frames, word_dtype: torch.dtype,
+def stream_words(stream: frames.Frames | frames.Framed, word_dtype: torch.dtype,
                  threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The words of a shuffled stream, each frame decompressed straight into them on the frame
-    threads (``frames.unshuffle_into``): the restore path's keyframe values and small dense
-    residuals. ``out`` (host words of the right size) receives them instead of a new tensor."""
+    """The words of a shuffled stream, each slice's words joined in cache from its part of
+    every plane, with no copy of the planes beside them (``frames.unshuffle_into``): frames
+    held in memory (the restore path's keyframe values and small dense residuals) on the frame
+    threads, a ``frames.Framed`` (a memory-first decode) on this thread, into the heap
+    (``heap.in_heap``). ``out`` (host words of the right size) receives them instead of a new
+    buffer."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if stream.raw % width:
         raise FormatError("byte planes do not hold a whole number of words")
     if not stream.raw:
         return torch.empty(0, dtype=word_dtype)
     words = out if _holds(out, stream.raw, word_dtype) else \
+        torch.from_numpy(heap.in_heap(stream.raw)).view(word_dtype) \
+        if isinstance(stream, frames.Framed) else \
         torch.empty(stream.raw // width, dtype=word_dtype)
     frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
                           threads=threads)
@@ -119,13 +107,11 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
-    def work(mine: Iterable[int]) -> None:
-        framed = stream if isinstance(stream, frames.Framed) \
-            else frames.Framed(stream.frames, stream.raw, stream.chunk)
+    def work(framed: frames.Framed, starts: Iterable[int]) -> None:
         # Without _planes, no allocation per slice: the residual's planes, its words and the
         # temporaries reuse three buffers.
         scratch = None if fused else heap.in_heap(3 * min(per, n) * width)
-        for lo in (i * per for i in mine):
+        for lo in starts:
             m = min(per, n - lo)
             if fused:  # joined from the frames and applied in one pass, in cache
                 framed.join_into(n, lo, fused[0][lo : lo + m], mode)
@@ -137,11 +123,7 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
             frames.join(planes, r.view(torch.uint8).numpy().reshape(m, width))
             apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
 
-    count = -(-n // per)
-    if isinstance(stream, frames.Framed):
-        work(range(count))  # its frames may be read from the store as they are asked for
-    else:
-        frame_threads.spread(count, threads, work, n * width)
+    frames.by_slices(stream, n, work, threads=threads)
     return ref
 
 

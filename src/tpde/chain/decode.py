@@ -135,6 +135,6 @@ def rebuild_checked(job: tuple[Record, bool, Any, torch.Tensor | None, Any, None
     return words
 
 
-#: Codecs whose values a memory-first decode streams (``transform.streamed_words``,
+#: Codecs whose values a memory-first decode streams (``transform.stream_words``,
 #: ``transform.apply_streamed``); the others' values are small or needed whole.
 STREAMED = ("key", "dense")
