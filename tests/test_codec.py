@@ -310,16 +310,18 @@ def planes_path(mp: pytest.MonkeyPatch, c: bool) -> None:
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), how=st.sampled_from(["key", "xor", "sub"]),
        kind=st.sampled_from(["int", "float"]), seed=st.integers(0, 2**31),
-       threads=st.sampled_from([1, 2, 3]))
+       threads=st.sampled_from([1, 2, 3]), whole=st.sampled_from([0, 1 << 30]))
 def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chunk: int,
                                                 how: str, kind: str, seed: int,
-                                                threads: int) -> None:
+                                                threads: int, whole: int) -> None:
     """A section read frame by frame as the decode reaches it (a mount at budget 0), or held
-    whole and applied in runs of slices on the frame threads (a restore), rebuilds the same
-    words as the whole decompressed section, with chunks that tile the byte planes and chunks
-    that straddle them, one slice of words or many."""
+    in memory and applied in runs of slices on the frame threads (a restore) or decompressed
+    whole a frame at a time (``frames.WHOLE_BYTES``: a small record), rebuilds the same words
+    as the whole decompressed section, with chunks that tile the byte planes and chunks that
+    straddle them, one slice of words or many."""
     with pytest.MonkeyPatch.context() as outer:
         planes_path(outer, c)
+        outer.setattr(frames, "WHOLE_BYTES", whole)
         word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
         g = torch.Generator().manual_seed(seed)
         # Words of any sign: a float's order-preserving image flips the negative ones.
@@ -344,18 +346,20 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
 @PLANES
 @given(n=st.integers(1, 300_000), width=st.sampled_from([1, 2, 4, 8]),
        chunk=st.sampled_from([4096, 5000, 65536]), threads=st.sampled_from([1, 2, 3]),
-       seed=st.integers(0, 2**31))
+       seed=st.integers(0, 2**31), whole=st.sampled_from([0, 1 << 30]))
 def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int, chunk: int,
-                                                     threads: int, seed: int) -> None:
+                                                     threads: int, seed: int,
+                                                     whole: int) -> None:
     """Compressing frames gathered from the words makes the frames of the shuffled stream, and
     decompressing them into the words rebuilds the words, with chunks that tile the byte
-    planes and chunks that straddle them, on any number of frame threads."""
+    planes and chunks that straddle them, on any number of frame threads or whole."""
     word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
     g = torch.Generator().manual_seed(seed)
     words = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
         mp.setattr(frame_threads, "SPREAD_BYTES", 1)
+        mp.setattr(frames, "WHOLE_BYTES", whole)
         planes_path(mp, c)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
         back = transform.stream_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
@@ -385,6 +389,35 @@ def test_a_residual_is_compressed_straight_from_the_words(n: int, width: int, ch
                                      level=1, chunk=chunk, threads=threads)
     expected = transform.shuffle(transform.residual(new, ref, *how))
     assert sec == frames.compress(_bytes_of(expected), level=1, chunk=chunk)
+
+
+@PLANES
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("how", ["key", "xor", "sub"])
+def test_a_small_record_whose_frames_are_its_planes_decodes_from_them(c: bool, width: int,
+                                                                       how: str) -> None:
+    """A small record's chunk is its plane, so its frames are its byte planes and are joined
+    where they were decompressed; a frame of another size than its plane is refused."""
+    word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    n = 5000
+    g = torch.Generator().manual_seed(width)
+    ref = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int64).to(word)
+    new = ref + torch.randint(-3, 4, (n,), generator=g, dtype=torch.int64).to(word)
+    data = new if how == "key" else transform.residual(new, ref, how, "float")
+    sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=n)
+    assert len(sec.frames) == width
+    with pytest.MonkeyPatch.context() as mp:
+        planes_path(mp, c)
+        held = frames.Frames(list(sec.frames), sec.raw, sec.chunk)
+        if how == "key":
+            back = transform.stream_words(held, word)
+        else:
+            back = transform.apply_streamed(ref.clone(), held, how, "float")
+        assert torch.equal(back, new)
+        short = frames.compress(b"\0" * (n - 1), level=1, chunk=n).frames[0]
+        with pytest.raises(FormatError, match="declares"):
+            transform.stream_words(frames.Frames([short, *sec.frames[1:]], sec.raw, sec.chunk),
+                                   word)
 
 
 def test_a_residual_needs_words_that_the_c_loops_take() -> None:

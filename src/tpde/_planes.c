@@ -4,7 +4,9 @@
  * residual against the reference's (docs/format.md, "Values"). numpy does each step as its
  * own pass: a strided byte copy per plane, and up to ten passes for a difference of floats'
  * order-preserving images. Here each is one loop over whole words, which compilers turn into
- * vector code, and the GIL is released for it, so the frame threads work side by side:
+ * vector code, and the GIL is released for it, so the frame threads work side by side (not for
+ * loops over fewer than RELEASE_BYTES: with other threads waiting, handing the GIL over and
+ * taking it back cost more than a small record's whole loop):
  *
  *   take(rows, width, k, first, out)   byte k of words first.. of rows into out (a save's frame)
  *   join(parts, width, rows, mode)     words from their parts of all planes at once (a restore's
@@ -25,6 +27,11 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#define RELEASE_BYTES (64 * 1024)
+/* The GIL released around a loop over at least RELEASE_BYTES, and taken back after it. */
+#define RELEASE_FOR(bytes) { PyThreadState *_held = (bytes) >= RELEASE_BYTES ? PyEval_SaveThread() : NULL;
+#define RELEASED_END if (_held) PyEval_RestoreThread(_held); }
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
 #define WORDS_ARE_LITTLE 1
@@ -217,14 +224,14 @@ static PyObject *take(PyObject *self, PyObject *args) {
         const unsigned char *r = (const unsigned char *)rows.buf + first * width;
         unsigned char *o = (unsigned char *)out.buf;
         Py_ssize_t m = out.len;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_FOR(m * width)
         if (words_fit(r, width)) {
 #define TAKE(W) take_##W(r, k, m, o)
             BY_WIDTH(width, TAKE)
         } else {  /* a byte loop: unaligned words, or another width */
             for (Py_ssize_t j = 0; j < m; j++) o[j] = r[j * width + k];
         }
-        Py_END_ALLOW_THREADS
+        RELEASED_END
     }
     PyBuffer_Release(&rows);
     PyBuffer_Release(&out);
@@ -262,10 +269,10 @@ static PyObject *join(PyObject *self, PyObject *args) {
     }
     if (!bad) {
         unsigned char *r = (unsigned char *)rows.buf;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_FOR(rows.len)
 #define JOIN(W) join_##W(p, m, r, mode)
         BY_WIDTH(width, JOIN)
-        Py_END_ALLOW_THREADS
+        RELEASED_END
     }
     for (int k = 0; k < got; k++) PyBuffer_Release(&parts[k]);
     Py_DECREF(fast);
@@ -283,10 +290,10 @@ static PyObject *apply(PyObject *self, PyObject *args) {
         const unsigned char *p = (const unsigned char *)residual.buf;
         unsigned char *r = (unsigned char *)rows.buf;
         Py_ssize_t m = rows.len / width;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_FOR(rows.len)
 #define APPLY(W) apply_##W(p, m, r, mode)
         BY_WIDTH(width, APPLY)
-        Py_END_ALLOW_THREADS
+        RELEASED_END
     }
     PyBuffer_Release(&residual);
     PyBuffer_Release(&rows);
@@ -311,7 +318,7 @@ static PyObject *diff(PyObject *self, PyObject *args) {
         const unsigned char *pa = (const unsigned char *)a.buf;
         const unsigned char *pb = (const unsigned char *)b.buf;
         unsigned char *o = (unsigned char *)out.buf;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_FOR(a.len)
         if (cap) {
 #define SPLIT(W) split_##W(pa, pb, m, o, cap, mode)
             BY_WIDTH(width, SPLIT)
@@ -319,7 +326,7 @@ static PyObject *diff(PyObject *self, PyObject *args) {
 #define DIFF(W) diff_##W(pa, pb, m, o, mode)
             BY_WIDTH(width, DIFF)
         }
-        Py_END_ALLOW_THREADS
+        RELEASED_END
     }
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
@@ -356,7 +363,7 @@ static PyObject *changed(PyObject *self, PyObject *args) {
         int64_t *o = (int64_t *)out.buf;
         unsigned char *p = (unsigned char *)pl.buf;
         Py_ssize_t room = out.len / 8;
-        Py_BEGIN_ALLOW_THREADS
+        RELEASE_FOR(b.len)
         if (where == Py_None) {
 #define COUNT(W) c = count_##W(pa, pb, m)
             BY_WIDTH(width, COUNT)
@@ -364,7 +371,7 @@ static PyObject *changed(PyObject *self, PyObject *args) {
 #define WHERE(W) c = where_##W(pa, pb, m, o, room, p)
             BY_WIDTH(width, WHERE)
         }
-        Py_END_ALLOW_THREADS
+        RELEASED_END
         if (c < 0) bad = fail("more words changed than there is room for");
     }
     if (pl.obj) PyBuffer_Release(&pl);

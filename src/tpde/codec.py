@@ -53,9 +53,6 @@ CLOSE_CALL, CLOSE_CALL_BYTES = 1.1, 4 << 20
 #: Host tensors up to this many words are sampled and compared with numpy, not torch, whose
 #: intra-op threads start on every call (``_changes``).
 NUMPY_WORDS = 1 << 20
-#: Dense residuals held in memory from this size on are applied a chunk at a time on the frame
-#: threads; smaller ones are decompressed whole first (a few buffers per chunk cost more there).
-STREAM_APPLY_BYTES = 1 << 20
 #: A tensor's coding, once chosen in full, is coded straight away at its next saves (of
 #: compare.py's chains, A's and F's tensors never changed their choice between deltas, and
 #: C's 87% of the time); the full choice is made again after REVALIDATE saves that used it,
@@ -487,7 +484,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     values = sections.get("values")
     if codec == "dense" and not ref.is_cuda and (
             isinstance(values, frames.Framed)
-            or isinstance(values, frames.Frames) and values.raw >= STREAM_APPLY_BYTES):
+            or isinstance(values, frames.Frames)):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
                               kind)
     r = do.words(sections, "values", word_dtype)

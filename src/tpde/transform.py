@@ -105,6 +105,15 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
                           f"expected")
     mode = residual_mode(how, kind)
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
+    if isinstance(stream, frames.Frames) and stream.raw <= frames.WHOLE_BYTES:
+        parts = frames.whole(stream)
+        if fused:
+            frames.join_whole(parts, fused[0], mode)
+        else:
+            r = torch.empty_like(ref)
+            frames.join_whole(parts, r.view(torch.uint8).numpy().reshape(n, width))
+            apply_residual(ref, r, how, kind, inplace=True)
+        return ref
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
     def work(framed: frames.Framed, starts: Iterable[int]) -> None:

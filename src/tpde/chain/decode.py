@@ -67,14 +67,16 @@ def decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dic
     """The record's sections made ready for its decode. ``mode``: ``"fused"`` leaves the
     values of keyframe and dense records as frames that the decode decompresses straight into
     their words (``frames.Frames``); ``"stream"`` leaves them as frames decompressed as the
-    decode reaches them, through a few reused buffers (``frames.Framed``: memory first);
+    decode reaches them, through a few reused buffers (``frames.Framed``: memory first), but
+    for streams of up to ``frames.WHOLE_BYTES``, fewer bytes than those buffers, which it
+    leaves as ``"fused"`` does;
     ``"gpu"`` leaves every record's values to nvCOMP; ``"host"`` decompresses everything here.
     """
     out: dict[str, Any] = {}
     for (name, s), fr in zip(r.sections.items(), framed.values()):
         if name != "values" or mode == "host" or (mode != "gpu" and r.codec not in STREAMED):
             out[name] = frames.decompress(fr, s.raw, s.chunk)
-        elif mode == "fused":
+        elif mode == "fused" or mode == "stream" and s.raw <= frames.WHOLE_BYTES:
             out[name] = frames.Frames(fr, s.raw, s.chunk)
         elif mode == "stream":
             out[name] = frames.Framed(fr, s.raw, s.chunk)
