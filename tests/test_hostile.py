@@ -73,6 +73,17 @@ def test_lies_behind_a_valid_digest_are_refused(path: tuple, value: object) -> N
         manifest.parse(lie(path, value), step=1)
 
 
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "7", None, 2**63])
+def test_a_chunk_table_entry_that_is_no_frame_size_is_refused(bad: object) -> None:
+    table = list(BODY["records"][0]["sections"]["values"]["frames"])
+    assert manifest.parse(lie(("records", 0, "sections", "values", "frames"), table), step=1)
+    table[0] = bad
+    with pytest.raises(FormatError):
+        manifest.parse(lie(("records", 0, "sections", "values", "frames"), table), step=1)
+    with pytest.raises(FormatError):
+        manifest.parse(lie(("records", 0, "sections", "values", "frames"), "nope"), step=1)
+
+
 @pytest.mark.parametrize("path, value", [
     (("format",), 1),                              # pieces need format 2
     (("records", 1, "start"), 4095),               # overlaps the piece before

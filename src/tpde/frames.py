@@ -75,8 +75,8 @@ class Section:
         """Asked several times of each option an encode weighs: summed once."""
         return sum(map(len, self.frames))
 
-    def table(self) -> list[int]:
-        return [len(f) for f in self.frames]
+    def table(self) -> tuple[int, ...]:
+        return tuple(len(f) for f in self.frames)
 
 
 def raw_sizes(raw: int, chunk: int) -> list[int]:
@@ -219,7 +219,7 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     return Section(raw, chunk, tuple(out))
 
 
-def check_table(raw: int, chunk: int, table: list[int], *, limit: int) -> None:
+def check_table(raw: int, chunk: int, table: Sequence[int], *, limit: int) -> None:
     """Reject a chunk table that is inconsistent or larger than ``limit`` raw bytes (its
     entries are positive integers: the manifest's parser checks each as it reads it)."""
     if raw < 0 or raw > limit:

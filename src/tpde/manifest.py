@@ -10,6 +10,7 @@ from it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -71,7 +72,7 @@ class SectionRef:
     offset: int  # in the step's blob
     raw: int
     chunk: int
-    frames: list[int]  # compressed size of every frame
+    frames: tuple[int, ...]  # compressed size of every frame
 
     @property
     def length(self) -> int:
@@ -238,6 +239,35 @@ def _written_body(text: bytes) -> bytes | None:
         return text[len(_BODY) : end - len(_DIGEST)]
     return None
 
+class _Unread:
+    """A parsed manifest's skeleton not yet taken out of its checked JSON."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+
+
+class _Skeleton:
+    """``Manifest.skeleton``, read from the manifest's JSON when first asked for. A restore
+    reads every manifest of its steps' lineages but the skeleton of one: kept parsed, the
+    others' lists and dicts were half the objects the lineage's manifests held, each walked by
+    every full collection of Python's garbage collector while they lived (0.5 of them per
+    restore of E's latest step, 42 ms each)."""
+
+    def __get__(self, m: Manifest | None, owner: type | None = None) -> Any:
+        if m is None:
+            return self
+        value = m.__dict__["_skeleton"]
+        if type(value) is _Unread:  # the text was checked against the digest when parsed
+            value = m.__dict__["_skeleton"] = json.loads(value.text)["body"]["skeleton"]
+        return value
+
+    def __set__(self, m: Manifest, value: Any) -> None:
+        m.__dict__["_skeleton"] = value
+
+
+Manifest.skeleton = _Skeleton()  # type: ignore[assignment]  # after @dataclass made __init__
 _MANIFEST_FIELDS = fields(Manifest)
 _RECORD_FIELDS = fields(Record)
 _SECTION_FIELDS = fields(SectionRef)
@@ -312,7 +342,7 @@ def parse(data: bytes, *, step: int | None = None) -> Manifest:
     if not matched:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
-        m = _build(body, step)
+        m = _build(body, step, _Unread(data))
         if framed and m.format < FRAMED_FORMAT:
             raise FormatError(f"format {m.format} manifest stored as a zstd frame", step=step)
         m.__dict__["_size"] = size
@@ -329,7 +359,7 @@ def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _build(b: dict[str, Any], step: int | None) -> Manifest:
+def _build(b: dict[str, Any], step: int | None, skeleton: _Unread) -> Manifest:
     if _int(b["format"]) > FORMAT:
         raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
                           "upgrade tpde to read it", step=step)
@@ -337,7 +367,7 @@ def _build(b: dict[str, Any], step: int | None) -> Manifest:
         step=_int(b["step"]), keyframe=bool(b["keyframe"]), depth=_int(b["depth"]),
         parent=None if b["parent"] is None else _int(b["parent"]),
         blob=None if b["blob"] is None else str(b["blob"]), blob_size=_int(b["blob_size"]),
-        created=float(b["created"]), seconds=float(b["seconds"]), skeleton=b["skeleton"],
+        created=float(b["created"]), seconds=float(b["seconds"]), skeleton=skeleton,
         records=[_record(r, b) for r in b["records"]], format=b["format"],
         origin=None if b.get("origin") is None else str(b["origin"]),
         shards=_shards(b.get("shards", [])),
@@ -409,6 +439,28 @@ def _check_quant(rec: Record) -> None:
                           tensor=rec.name)
 
 
+_LEGACY_HASH, _XXH3_HASH = re.compile(r"[0-9a-f]{32}"), re.compile(r"xxh3:[0-9a-f]{32}")
+
+
+@functools.lru_cache(maxsize=64)
+def _is_device(name: str) -> bool:
+    """Whether torch reads ``name`` as a device: asked once per name, not once per record."""
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _sizes(values: Any) -> tuple[int, ...]:
+    """A chunk table: positive integers, checked in C-level passes over the list rather than a
+    call per entry (the tables were a tenth of a manifest's parse)."""
+    if type(values) is not list or not set(map(type, values)) <= {int} \
+            or values and not (1 <= min(values) and max(values) <= 1 << 62):
+        raise ValueError(f"not a chunk table: {str(values)[:80]}")
+    return tuple(values)
+
+
 def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
     dt = dtypes.by_name(r["dtype"])
     rec = Record(
@@ -424,24 +476,21 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         error=None if r.get("error") is None else _errors(r["error"]),
         shard=None if r.get("shard") is None else _int(r["shard"]),
         sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
-                                [_int(n, 1) for n in s["frames"]])
+                                _sizes(s["frames"]))
                   for k, s in r["sections"].items()},
     )
     words = rec.numel * dt.words_per_element
-    try:
-        torch.device(rec.device)
-    except (RuntimeError, ValueError):
+    if not _is_device(rec.device):
         raise FormatError(f"record names device {rec.device!r}, which is no device",
-                          tensor=rec.name) from None
+                          tensor=rec.name)
     if rec.codec not in codec.CODECS or rec.residual not in (None, *transform.RESIDUALS):
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
     if (rec.bound is not None or rec.error is not None) and b["format"] < BOUNDED_FORMAT:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)
     if rec.error is not None and rec.bound is None:
         raise FormatError("record has errors but no bound", tensor=rec.name)
-    legacy = re.fullmatch(r"[0-9a-f]{32}", rec.hash) is not None
-    if not legacy and (re.fullmatch(r"xxh3:[0-9a-f]{32}", rec.hash) is None
-                       or b["format"] < XXH3_FORMAT):
+    legacy = _LEGACY_HASH.fullmatch(rec.hash) is not None
+    if not legacy and (_XXH3_HASH.fullmatch(rec.hash) is None or b["format"] < XXH3_FORMAT):
         raise FormatError(f"record hash {rec.hash[:48]!r} is not one format {b['format']} "
                           "names", tensor=rec.name)
     shards = b.get("shards") or []
@@ -464,9 +513,10 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         if "fixes" in rec.sections:
             expected["exact"] = rec.sections["exact"].raw // dt.word_bytes \
                 if "exact" in rec.sections else 0
+    elif rec.codec in ("key", "dense"):
+        expected = {"values": words}
     else:
-        expected = {"key": {"values": words}, "dense": {"values": words}, "same": {},
-                    "sparse": {"values": rec.count, "positions": None}}[rec.codec]
+        expected = {"values": rec.count, "positions": None} if rec.codec == "sparse" else {}
     if set(rec.sections) != set(expected):
         raise FormatError(f"{rec.codec} record has sections {sorted(rec.sections)}",
                           tensor=rec.name)
