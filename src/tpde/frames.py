@@ -340,8 +340,8 @@ def join_whole(parts: list[bytes], rows: np.ndarray, mode: int = 0) -> None:
     the planes (a small record's chunk is its plane) are joined where they are."""
     n, width = rows.shape
     if len(parts) != width or any(len(p) != n for p in parts):
-        whole = memoryview(b"".join(parts))
-        parts = [whole[k * n : (k + 1) * n] for k in range(width)]
+        joined = memoryview(b"".join(parts))
+        parts = [joined[k * n : (k + 1) * n] for k in range(width)]
     if native_words(rows):
         native.join(parts, width, rows, mode)
     elif mode:

@@ -239,6 +239,7 @@ def _written_body(text: bytes) -> bytes | None:
         return text[len(_BODY) : end - len(_DIGEST)]
     return None
 
+
 class _Unread:
     """A parsed manifest's skeleton not yet taken out of its checked JSON."""
 
