@@ -344,9 +344,7 @@ def join_whole(parts: list[bytes], rows: np.ndarray, mode: int = 0) -> None:
         parts = [joined[k * n : (k + 1) * n] for k in range(width)]
     if native_words(rows):
         native.join(parts, width, rows, mode)
-    elif mode:
-        raise ValueError("a residual is applied to native words only")
-    else:
+    else:  # stored only: residuals are applied here to native words alone (apply_streamed)
         for k, plane in enumerate(parts):
             rows[:, k] = np.frombuffer(plane, dtype=np.uint8)
 
