@@ -1,4 +1,4 @@
-"""The GPU decoder: ``tpde.codec.decode``'s backend with nvCOMP for zstd and Triton for the rest.
+"""The GPU decoder: ``tpde.decoder.decode``'s backend with nvCOMP for zstd and Triton for the rest.
 
 The values of a step's records are decompressed by nvCOMP in one batch straight into device
 memory (``add_values``); position streams are decompressed on the host, where their header and
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from tpde import codec
+from tpde import decoder
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.kernels import nvcomp, triton_kernels
 from tpde.kernels.nvcomp import Stream
@@ -39,7 +39,7 @@ def _stream_beside(caller: torch.cuda.Stream) -> torch.cuda.Stream:
         return _streams[key]
 
 
-class Kernels(codec.CPU):
+class Kernels(decoder.CPU):
     """Decodes records on ``device``: their words never pass through host memory."""
 
     def __init__(self, device: torch.device) -> None:

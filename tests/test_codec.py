@@ -13,7 +13,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, codec, dtypes, frame_threads, frames, transform
+from tpde import FormatError, codec, decoder, dtypes, frame_threads, frames, transform
 
 DTYPES = sorted(dtypes.BY_NAME)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -36,7 +36,7 @@ def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Sett
     rw = None if ref is None else transform.to_words(ref, dt.word_dtype)
     enc = codec.encode(nw, rw, dt.kind, settings, choice=choice)
     sections = {k: frames.decompress(list(s.frames), s.raw, s.chunk) for k, s in enc.sections.items()}
-    out = codec.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
+    out = decoder.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
     assert torch.equal(out, nw)
     return enc
 
@@ -330,7 +330,7 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
         data = new if how == "key" else transform.residual(new, ref, how, kind)
         sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
         codec_name = "key" if how == "key" else "dense"
-        streamed = codec.decode(codec_name, None if how == "key" else how,
+        streamed = decoder.decode(codec_name, None if how == "key" else how,
                                 {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
                                 None if how == "key" else ref.clone(), n, word, kind)
         assert torch.equal(streamed, new)

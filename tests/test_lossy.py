@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpde
-from tpde import codec, frames, transform
+from tpde import codec, decoder, frames, transform
 
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16),
           "float16": (torch.float16, torch.int16)}
@@ -45,7 +45,7 @@ def roundtrip(words: torch.Tensor, ref: torch.Tensor | None, dtype: str,
     secs = {k: frames.decompress(s.frames, s.raw, s.chunk) for k, s in enc.sections.items()}
     if enc.codec == "same":
         return enc, ref.clone()
-    out = codec.decode(enc.codec, enc.residual, secs, None if enc.keyed else ref.clone(),
+    out = decoder.decode(enc.codec, enc.residual, secs, None if enc.keyed else ref.clone(),
                        words.numel(), words.dtype, "float",
                        grid=(enc.grid, enc.scale, dtype) if enc.codec == "quant" else None)
     return enc, out

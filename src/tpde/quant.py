@@ -139,6 +139,11 @@ FLOATS: dict[str, tuple[torch.dtype, int]] = {
 }
 
 
+#: The grids a ``quant`` record's codes may lie on: steps of the dtype's own units in the last
+#: place (a relative bound), or of a fixed size (an absolute one); see ``grids``.
+GRIDS = ("ulp", "abs")
+
+
 def applies(dtype: str) -> bool:
     return dtype in FLOATS
 

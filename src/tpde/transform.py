@@ -1,6 +1,6 @@
 """Words, byte planes and residuals: the reversible transforms between a tensor and the bytes
-zstd sees, shared by the encoder and decoder (``codec``) and mirrored on a GPU by
-``tpde.kernels``.
+zstd sees, shared by the encoder (``codec``) and the decoder (``decoder``), and mirrored on a
+GPU by ``tpde.kernels``.
 
 A tensor is a flat array of little-endian words (see ``dtypes``). A residual against the
 reference's words is their XOR, or the zigzagged difference of their order-preserving integer

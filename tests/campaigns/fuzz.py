@@ -122,8 +122,8 @@ class Targets:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = rng.choice(HOSTILE)
-        canon = manifest._canonical(body)
-        signed = manifest._canonical({"body": body, "blake2b": manifest.content_hash(canon)})
+        canon = manifest.canonical(body)
+        signed = manifest.canonical({"body": body, "blake2b": manifest.content_hash(canon)})
         run = f"memory://tpde-fuzz/{uuid.uuid4().hex[:10]}"
         fs = fsspec.filesystem("memory")
         try:

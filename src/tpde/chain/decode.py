@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import codec, dtypes, frame_threads, frames
+from .. import decoder, dtypes, frame_threads, frames
 from ..errors import CorruptionError, TPDEError
 from ..manifest import Record, hash_matches
 from .plan import batches
@@ -83,7 +83,7 @@ def decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dic
     return out
 
 
-def rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | None],
+def rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, decoder.CPU | None],
              dest: torch.Tensor | None = None) -> torch.Tensor:
     """Decode one record against its reference words (``backend`` None: here; the GPU
     backend keeps the words on its device); a keyframe record into ``dest`` where it can."""
@@ -93,7 +93,7 @@ def rebuild(job: tuple[Record, bool, Any, torch.Tensor | None, Any, codec.CPU | 
     dt = dtypes.by_name(r.dtype)
     n = r.numel * dt.words_per_element
     # `ref` is a previous decode of this same materialize call: safe to overwrite.
-    return codec.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
+    return decoder.decode(r.codec, r.residual, secs, ref, n, dt.word_dtype, dt.kind,
                         positions=positions, inplace=True, backend=backend,
                         grid=(r.grid, r.scale, r.dtype) if r.codec == "quant" else None,
                         dest=dest)

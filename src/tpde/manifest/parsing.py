@@ -1,306 +1,23 @@
-"""The step manifest: the small JSON object whose appearance commits a step.
-
-It is compact JSON (keys in insertion order, which the checkpoint's own dicts need) carrying a
-BLAKE2b digest of its own body, so a flipped bit anywhere in it is detected; tensor bytes are
-covered by each record's hash of the restored words. From format 3 it is stored as one zstd
-frame: its record lists repeat the same keys for every tensor and compress about tenfold, and a
-run holds one manifest per step. ``parse`` validates every field before anything is allocated
-from it.
-"""
+"""Reading a manifest back: ``plain`` takes its JSON out of its zstd frame and ``parse`` checks
+its digest and every field it claims (counts, sizes, offsets, codecs, formats) before anything
+is allocated from it, so that a damaged or hostile manifest is a ``FormatError`` that names
+the step and tensor, never a wrong restore or an allocation it asked for."""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
-from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
 import torch
-import xxhash
 import zstandard
 
-from . import codec, dtypes, frames, quant, transform
-from .errors import FormatError
-
-#: The newest format this tpde reads: format 6 names record hashes by their function (XXH3-128,
-#: 34x faster than BLAKE2b here, where a save hashed every byte once and a restore again), and
-#: is written by every new save. Format 5 adds sharded steps (records in several blobs,
-#: one per rank that wrote them, and the ``torch.distributed.checkpoint`` metadata), written
-#: only by sharded saves. Format 4 adds error-bounded records (the opt-in lossy mode), and is
-#: written only by steps that hold a tensor saved under a bound, so that chains saved without
-#: one stay readable by tpde releases that know format 3. Format 3: zstd-framed manifests that
-#: may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2
-#: with pieces) are read as before.
-FORMAT = 6
-PIECES_FORMAT = 2
-FRAMED_FORMAT = 3
-BOUNDED_FORMAT = 4
-SHARDED_FORMAT = 5
-XXH3_FORMAT = 6
-#: A format 6 record hash: this prefix and the canonical hex of the restored bytes' XXH3-128.
-XXH3 = "xxh3:"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-MAX_ELEMENTS = 1 << 48
-DIGEST_SIZE = 16
-
-
-def content_hash(data: memoryview | bytes) -> str:
-    """BLAKE2b-128: the manifest's own digest, and records' hashes before format 6."""
-    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).hexdigest()
-
-
-def record_hash(data: memoryview | bytes | np.ndarray) -> str:
-    """The hash a new record stores of its restored bytes (format 6): XXH3-128, which runs at
-    memory speed (32 GB/s against BLAKE2b's 0.94 GB/s on one core here) and catches damage as
-    surely; the manifest itself keeps its BLAKE2b digest."""
-    return XXH3 + xxhash.xxh3_128_hexdigest(data)
-
-
-def hash_matches(data: memoryview | bytes | np.ndarray, stored: str) -> bool:
-    """Whether restored bytes are what a record's hash says, with the function it names."""
-    if stored.startswith(XXH3):
-        return record_hash(data) == stored
-    return content_hash(data) == stored
-
-
-@dataclass
-class SectionRef:
-    offset: int  # in the step's blob
-    raw: int
-    chunk: int
-    frames: tuple[int, ...]  # compressed size of every frame
-
-    @property
-    def length(self) -> int:
-        return sum(self.frames)
-
-
-@dataclass
-class Record:
-    """One stored span: what it is, how it was coded, where its bytes are."""
-
-    name: str
-    dtype: str
-    numel: int
-    device: str
-    codec: str
-    hash: str
-    ref: int | None = None
-    residual: str | None = None
-    count: int = 0
-    sections: dict[str, SectionRef] = field(default_factory=dict)
-    #: Where this piece of a large span starts, in elements; None for a whole span.
-    start: int | None = None
-    #: ``quant`` records: the grid (``ulp`` or ``abs``) and its scale.
-    grid: str | None = None
-    scale: float | None = None
-    #: Format 4: the error bound the tensor was saved under (``{"abs": a, "rel": r}``, either
-    #: or both), and, where the restored words differ from the saved ones, the largest errors
-    #: (``{"abs": ..., "rel": ...}``) measured at the save.
-    bound: dict[str, float] | None = None
-    error: dict[str, float] | None = None
-    #: Format 5: the index in ``Manifest.shards`` of the blob holding this record's sections
-    #: (None: the manifest's own blob).
-    shard: int | None = None
-
-    @property
-    def lossy(self) -> bool:
-        """Whether this step restores other values than were saved (within ``bound``)."""
-        return self.error is not None
-
-    @property
-    def span(self) -> str:
-        """The name of the span this record stores (a piece's name is ``<span>/<start>``)."""
-        return self.name if self.start is None else self.name[: -len(f"/{self.start}")]
-
-    @property
-    def raw_bytes(self) -> int:
-        return self.numel * dtypes.by_name(self.dtype).itemsize
-
-    @property
-    def stored_bytes(self) -> int:
-        return sum(s.length for s in self.sections.values())
-
-    @property
-    def density(self) -> float:
-        """Fraction of words that changed against the reference (1 for a keyframe record)."""
-        if self.ref is None:
-            return 1.0
-        words = self.numel * dtypes.by_name(self.dtype).words_per_element
-        return self.count / words if words else 0.0
-
-
-@dataclass
-class Manifest:
-    step: int
-    keyframe: bool
-    depth: int  # delta steps since the keyframe this step builds on
-    parent: int | None  # the reference step of the deltas, if any
-    blob: str | None
-    blob_size: int
-    created: float
-    seconds: float
-    skeleton: Any
-    records: list[Record]
-    format: int = FRAMED_FORMAT
-    #: The blob the step was first written with: what checkpoint entries name the step by.
-    #: Set when a re-base moved the step into a new blob; None means ``blob``.
-    origin: str | None = None
-    #: Format 5, sharded steps: the blobs the ranks wrote (``{"blob", "size"}``), which
-    #: records name by index, and the ``torch.distributed.checkpoint`` metadata (§12).
-    shards: list[dict[str, Any]] = field(default_factory=list)
-    dcp: dict[str, Any] | None = None
-
-    @property
-    def id(self) -> str | None:
-        """What names this step for good, across re-bases (a reused step number differs)."""
-        return self.origin or self.blob or (self.shards[0]["blob"] if self.shards else None)
-
-    def blob_of(self, r: Record) -> str:
-        """The blob holding ``r``'s sections."""
-        if r.shard is not None:
-            return self.shards[r.shard]["blob"]
-        if self.blob is None:
-            raise FormatError("record has data but the step has no blob", step=self.step,
-                              tensor=r.name)
-        return self.blob
-
-    def blobs(self) -> dict[str, int]:
-        """Every blob the step's records are stored in, with its size."""
-        out = {s["blob"]: s["size"] for s in self.shards}
-        if self.blob:
-            out[self.blob] = self.blob_size
-        return out
-
-    @property
-    def raw_bytes(self) -> int:
-        return sum(r.raw_bytes for r in self.records)
-
-    @property
-    def stored_bytes(self) -> int:
-        """The blobs plus the manifest itself: everything the step costs in the store."""
-        return sum(self.blobs().values()) + self.__dict__.get("_size", 0)
-
-    def spans(self) -> list[list[Record]]:
-        """The records of each span (one, or its pieces in order); the skeleton's ``$t`` indexes
-        this list."""
-        out: list[list[Record]] = []
-        for r in self.records:
-            if r.start:
-                out[-1].append(r)
-            else:
-                out.append([r])
-        return out
-
-    @property
-    def lossy(self) -> bool:
-        return any(r.lossy for r in self.records)
-
-    def refs(self) -> set[int]:
-        return {r.ref for r in self.records if r.ref is not None}
-
-    def record(self, name: str) -> Record | None:
-        return self._by_name().get(name)
-
-    def _by_name(self) -> dict[str, Record]:
-        cache = self.__dict__.get("_names")
-        if cache is None:
-            cache = self.__dict__["_names"] = {r.name: r for r in self.records}
-        return cache
-
-    def to_bytes(self) -> bytes:
-        # Field by field rather than ``asdict``, whose deep copy of every record was a tenth of
-        # a small-tensor save; the JSON is the same.
-        body = {f.name: getattr(self, f.name) for f in _MANIFEST_FIELDS}
-        for key in ("origin", "dcp", "shards"):
-            if not body[key]:
-                del body[key]
-        body["records"] = [_record_body(r) for r in self.records]
-        canon = _canonical(body)
-        # What _canonical({"body": body, "blake2b": digest}) writes, without a second pass.
-        text = _BODY + canon + _DIGEST + content_hash(canon).encode() + b'"}'
-        if self.format < FRAMED_FORMAT:
-            return text
-        return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(text)
-
-
-_BODY, _DIGEST = b'{"body":', b',"blake2b":"'  # a written manifest: _BODY body _DIGEST hex "}
-
-
-def _written_body(text: bytes) -> bytes | None:
-    """The body's bytes as ``to_bytes`` wrote them (None: not laid out that way)."""
-    end = len(text) - 2 * DIGEST_SIZE - 2
-    if text.startswith(_BODY) and text.endswith(b'"}') \
-            and text[end - len(_DIGEST) : end] == _DIGEST:
-        return text[len(_BODY) : end - len(_DIGEST)]
-    return None
-
-
-class _Unread:
-    """A parsed manifest's skeleton not yet taken out of its checked JSON."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: bytes) -> None:
-        self.text = text
-
-
-class _Skeleton:
-    """``Manifest.skeleton``, read from the manifest's JSON when first asked for. A restore
-    reads every manifest of its steps' lineages but the skeleton of one: kept parsed, the
-    others' lists and dicts were half the objects the lineage's manifests held, each walked by
-    every full collection of Python's garbage collector while they lived (0.5 of them per
-    restore of E's latest step, 42 ms each)."""
-
-    def __get__(self, m: Manifest | None, owner: type | None = None) -> Any:
-        if m is None:
-            return self
-        value = m.__dict__["_skeleton"]
-        if type(value) is _Unread:  # the text was checked against the digest when parsed
-            value = m.__dict__["_skeleton"] = json.loads(value.text)["body"]["skeleton"]
-        return value
-
-    def __set__(self, m: Manifest, value: Any) -> None:
-        m.__dict__["_skeleton"] = value
-
-
-Manifest.skeleton = _Skeleton()  # type: ignore[assignment]  # after @dataclass made __init__
-_MANIFEST_FIELDS = fields(Manifest)
-_RECORD_FIELDS = fields(Record)
-_SECTION_FIELDS = fields(SectionRef)
-_OPTIONAL = frozenset(("start", "grid", "scale", "bound", "error", "shard"))
-
-
-def _record_body(r: Record) -> dict[str, Any]:
-    """A record's JSON object: its fields in order, unset optional ones left out."""
-    body: dict[str, Any] = {}
-    for f in _RECORD_FIELDS:
-        value = getattr(r, f.name)
-        if f.name == "sections":
-            value = {k: {g.name: getattr(s, g.name) for g in _SECTION_FIELDS}
-                     for k, s in value.items()}
-        elif value is None and f.name in _OPTIONAL:
-            continue
-        body[f.name] = value
-    return body
-
-
-def format_for(records: list[Record], sharded: bool = False) -> int:
-    """The format a manifest of ``records`` is written in: the oldest that holds them (a
-    re-base of an older step keeps its records' hashes, and so its format)."""
-    if any(r.hash.startswith(XXH3) for r in records):
-        return XXH3_FORMAT
-    if sharded or any(r.shard is not None for r in records):
-        return SHARDED_FORMAT
-    return BOUNDED_FORMAT if any(r.bound is not None for r in records) else FRAMED_FORMAT
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+from .. import codec, dtypes, frames, quant, transform
+from ..errors import FormatError
+from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
+                    PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record,
+                    SectionRef, Unread, canonical, content_hash, written_body)
 
 
 def plain(data: bytes, *, step: int | None = None) -> bytes:
@@ -334,16 +51,16 @@ def parse(data: bytes, *, step: int | None = None) -> Manifest:
         # Hashed as written (``to_bytes`` writes the canonical form) rather than written out
         # again; the canonical form is made only where that fails (a damaged number may parse
         # as infinity, which the canonical form refuses).
-        written = _written_body(data)
+        written = written_body(data)
         matched = written is not None and content_hash(written) == digest
         if not matched:
-            matched = content_hash(_canonical(body)) == digest
+            matched = content_hash(canonical(body)) == digest
     except (ValueError, KeyError, TypeError, RecursionError):
         raise FormatError("manifest is not valid tpde JSON (truncated or damaged)", step=step) from None
     if not matched:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
-        m = _build(body, step, _Unread(data))
+        m = _build(body, step, Unread(data))
         if framed and m.format < FRAMED_FORMAT:
             raise FormatError(f"format {m.format} manifest stored as a zstd frame", step=step)
         m.__dict__["_size"] = size
@@ -360,7 +77,7 @@ def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _build(b: dict[str, Any], step: int | None, skeleton: _Unread) -> Manifest:
+def _build(b: dict[str, Any], step: int | None, skeleton: Unread) -> Manifest:
     if _int(b["format"]) > FORMAT:
         raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
                           "upgrade tpde to read it", step=step)

@@ -1,0 +1,96 @@
+"""The package as users install it: a wheel built from the source tree, not the editable
+install the other tests run against (which finds every module in the tree, listed in
+``pyproject.toml`` or not).
+
+The wheel must hold every module of ``src/tpde``, ``plugins`` and ``kernels`` where the
+package maps them, and a fresh interpreter must import all of them from the wheel alone and
+save, restore and list a run through them.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: Source folders and where ``pyproject.toml`` puts them in the package.
+MAPPED = {"src/tpde": "tpde", "plugins": "tpde/plugins", "kernels": "tpde/kernels"}
+
+
+def _modules_in_tree() -> set[str]:
+    return {f"{dest}/{p.relative_to(ROOT / src).as_posix()}"
+            for src, dest in MAPPED.items() for p in (ROOT / src).rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A wheel built from a copy of the tracked sources (a build leaves its own folders
+    behind, in the copy rather than in the tree)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info", "build")
+    for folder in ("src", "plugins", "kernels"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    out = tmp / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "--no-index", "-q", "-w", str(out), str(src)], check=True, timeout=600)
+    (built,) = out.glob("tpde-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_module_of_the_tree(wheel: pathlib.Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    missing = sorted(_modules_in_tree() - names)
+    assert not missing, f"modules left out of the wheel (add their packages to " \
+                        f"pyproject.toml's [tool.setuptools] packages): {missing}"
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    with zipfile.ZipFile(wheel) as z:
+        assert "tpde = tpde.cli:main" in z.read(entry).decode()
+
+
+def test_a_run_is_saved_restored_and_listed_from_the_wheel_alone(wheel: pathlib.Path,
+                                                                 tmp_path: pathlib.Path) -> None:
+    unpacked = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(unpacked)  # what pip puts in site-packages: a wheel is a zip of it
+        modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__")
+                         for n in z.namelist() if n.startswith("tpde/") and n.endswith(".py"))
+    script = textwrap.dedent(f"""
+        import importlib, json, sys
+        sys.path.insert(0, {str(unpacked)!r})
+        import torch
+        import tpde
+        from tpde.cli import main
+        assert tpde.__file__.startswith({str(unpacked)!r}), tpde.__file__
+        for name in {modules!r}:
+            mod = importlib.import_module(name)
+            assert mod.__file__.startswith({str(unpacked)!r}), mod.__file__
+        run = {str(tmp_path / "run")!r}
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(4096, generator=g)
+        ck = tpde.Checkpointer(run)
+        ck.save(0, {{"w": w, "step": 0}})
+        w1 = w + 1e-3 * torch.randn(4096, generator=g)
+        ck.save(1, {{"w": w1, "step": 1}})
+        ck.close()
+        back = tpde.Checkpointer(run).load(1)
+        assert back["step"] == 1 and torch.equal(back["w"], w1)
+        sys.exit(main(["ls", run, "--json"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [s["step"] for s in listed["steps"]] == [0, 1]
