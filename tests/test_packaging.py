@@ -3,7 +3,8 @@ install the other tests run against (which finds every module in the tree, liste
 ``pyproject.toml`` or not).
 
 The wheel must hold every module of ``src/tpde``, ``plugins`` and ``kernels`` where the
-package maps them, and a fresh interpreter must import all of them from the wheel alone and
+package maps them (and the ``py.typed`` marker that lets type checkers read tpde's
+annotations), and a fresh interpreter must import all of them from the wheel alone and
 save, restore and list a run through them.
 """
 
@@ -52,7 +53,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def test_the_wheel_holds_every_module_of_the_tree(wheel: pathlib.Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    missing = sorted(_modules_in_tree() - names)
+    missing = sorted((_modules_in_tree() | {"tpde/py.typed"}) - names)
     assert not missing, f"modules left out of the wheel (add their packages to " \
                         f"pyproject.toml's [tool.setuptools] packages): {missing}"
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
