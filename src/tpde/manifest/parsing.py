@@ -48,9 +48,9 @@ def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off while a manifest is parsed, and left as it
     was found. A parse makes about a thousand containers (the JSON's dicts and lists, freed
     by reference counting once the records are built), and they set off collections: 58 per
-    restore of E's latest step (23 manifests), one in 2.5 a full one, which walks torch's 200k
-    objects (42-70 ms). Held off, 16 per restore and one full one in 7.5: the restore took
-    149-151 ms (medians of 30) against 175-203."""
+    restore of E's latest step (23 manifests), and a full one, which walks torch's 200k
+    objects (42-70 ms), every 2.5 restores. Held off: 16 per restore, a full one every 7.5
+    (``benchmarks/README.md``, sixteenth round)."""
     if not gc.isenabled():  # switched off by the program, or by another parse
         yield
         return
