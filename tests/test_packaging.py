@@ -53,12 +53,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def test_the_wheel_holds_every_module_of_the_tree(wheel: pathlib.Path) -> None:
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
+        entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        scripts = z.read(entry).decode()
     missing = sorted((_modules_in_tree() | {"tpde/py.typed"}) - names)
     assert not missing, f"modules left out of the wheel (add their packages to " \
                         f"pyproject.toml's [tool.setuptools] packages): {missing}"
-    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    with zipfile.ZipFile(wheel) as z:
-        assert "tpde = tpde.cli:main" in z.read(entry).decode()
+    assert "tpde = tpde.cli:main" in scripts
 
 
 def test_a_run_is_saved_restored_and_listed_from_the_wheel_alone(wheel: pathlib.Path,
