@@ -43,6 +43,13 @@ def test_truncation_is_refused(n: int) -> None:
             manifest.parse(RAW[:n], step=1)
 
 
+def read(data: bytes, lazy: bool) -> manifest.Manifest:
+    """A manifest parsed, and (read lazily, as a chain's reader does) every record asked for."""
+    m = manifest.parse(data, step=1, lazy=lazy)
+    list(m.records)
+    return m
+
+
 def lie(path: tuple, value: object, body: dict = BODY) -> bytes:
     body = copy.deepcopy(body)
     node = body
@@ -67,10 +74,27 @@ def lie(path: tuple, value: object, body: dict = BODY) -> bytes:
     (("step",), 2),
     (("format",), 99),
     (("records",), "nope"),
+    (("records", 0), "nope"),
+    (("records", 0, "name"), BODY["records"][1]["name"]),
 ])
-def test_lies_behind_a_valid_digest_are_refused(path: tuple, value: object) -> None:
+@pytest.mark.parametrize("lazy", [False, True])
+def test_lies_behind_a_valid_digest_are_refused(path: tuple, value: object, lazy: bool) -> None:
     with pytest.raises(FormatError):
-        manifest.parse(lie(path, value), step=1)
+        read(lie(path, value), lazy)
+
+
+def test_a_record_read_lazily_is_checked_when_asked_for_and_its_error_says_where() -> None:
+    """Read lazily, a lie in one record lets the others be read, and is refused (naming the
+    run, step and tensor) whenever that record is asked for: by name, by index, in a loop."""
+    name = BODY["records"][0]["name"]
+    m = manifest.parse(lie(("records", 0, "numel"), -1), step=1, lazy=True, run="memory://r")
+    assert m.record(BODY["records"][1]["name"]).numel == BODY["records"][1]["numel"]
+    for ask in (lambda: m.record(name), lambda: m.records[0], lambda: list(m.records),
+                lambda: m.raw_bytes):
+        with pytest.raises(FormatError) as err:
+            ask()
+        assert (err.value.run, err.value.step, err.value.tensor) == ("memory://r", 1, name)
+    assert m.record("no such tensor") is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "7", None, 2**63])
@@ -97,10 +121,11 @@ def test_a_chunk_table_entry_that_is_no_frame_size_is_refused(bad: object) -> No
     (("records", 1, "device"), "cuda:0"),
     (("records", 0, "name"), "/0"),                # a piece of no span
 ])
-def test_lies_about_pieces_are_refused(path: tuple, value: object) -> None:
-    assert manifest.parse(signed(PIECES), step=1).records[1].start == 4096
+@pytest.mark.parametrize("lazy", [False, True])
+def test_lies_about_pieces_are_refused(path: tuple, value: object, lazy: bool) -> None:
+    assert read(signed(PIECES), lazy).records[1].start == 4096
     with pytest.raises(FormatError):
-        manifest.parse(lie(path, value, PIECES), step=1)
+        read(lie(path, value, PIECES), lazy)
 
 
 def test_oversized_manifest_is_refused_before_parsing() -> None:
@@ -151,3 +176,36 @@ def test_framed_manifests_are_bounded_and_must_be_format_3() -> None:
 def test_a_number_damaged_into_infinity_is_a_format_error() -> None:
     with pytest.raises(FormatError, match="not valid tpde JSON"):
         manifest.parse(RAW.replace(b'"blob_size":', b'"blob_size":1e999,"x":', 1), step=1)
+
+
+def test_a_restore_checks_the_records_it_uses_and_refuses_a_lie_in_any_of_them(tmp_path) -> None:
+    """A chain's reader checks the records of the steps a restore builds on as it uses them:
+    the model's part of step 1 loads while a lie (behind a valid digest) in the optimizer's
+    record of step 0 is refused, naming run, step and tensor, by every read that needs it.
+    The walk that builds them holds the garbage collector off, and switches it back on."""
+    import gc
+
+    import torch
+    import zstandard
+
+    import tpde
+
+    run = str(tmp_path / "run")
+    w = torch.arange(64, dtype=torch.float32)
+    with tpde.Checkpointer(run) as ck:
+        ck.save(0, {"model": {"w": w}, "optimizer": {"m": torch.ones(64)}})
+        ck.save(1, {"model": {"w": w + 1}, "optimizer": {"m": torch.ones(64)}})
+    path = tmp_path / "run" / "steps" / f"{0:020d}.json"
+    body = json.loads(manifest.plain(path.read_bytes()))["body"]
+    (lied,) = [r for r in body["records"] if r["name"].startswith("optimizer")]
+    lied["numel"] = 10**15
+    canon = manifest.canonical(body)
+    path.write_bytes(zstandard.ZstdCompressor(write_content_size=True).compress(
+        manifest.canonical({"body": body, "blake2b": manifest.content_hash(canon)})))
+    assert torch.equal(tpde.load_state_dict(run, 1)["w"], w + 1)
+    for step in (1, 0):
+        with pytest.raises(FormatError) as err:
+            tpde.Checkpointer(run).load(step)
+        assert (err.value.step, err.value.tensor) == (0, lied["name"])
+        assert err.value.run is not None and err.value.run.endswith("run")
+        assert gc.isenabled()

@@ -136,7 +136,7 @@ class ChainBase:
             raise StepNotFoundError("no such committed step; `tpde ls` lists the steps",
                                     run=self.url, step=step) from None
         try:
-            m = parse(data, step=step)
+            m = parse(data, step=step, lazy=True, run=self.url)
         except TPDEError as exc:
             raise exc.located(run=self.url, step=step) from None
         self._manifests[step] = m
@@ -185,7 +185,8 @@ class ChainBase:
         a gc by the run's writer); the cache is dropped if so."""
         for step, m in list(self._manifests.items()):
             try:
-                now = parse(self.store.read(manifest_path(step)), step=step)
+                now = parse(self.store.read(manifest_path(step)), step=step, lazy=True,
+                            run=self.url)
             except (FileNotFoundError, TPDEError):
                 now = None
             if now is None or (now.blobs(), now.records) != (m.blobs(), m.records):

@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes, elias, heap, tree
 from ..errors import CorruptionError, FormatError, TPDEError
-from ..manifest import Manifest, Record
+from ..manifest import Manifest, Record, collector_paused
 from . import sharded
 from .base import ChainBase, Problem, Progress
 from .decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild, rebuild_checked,
@@ -153,7 +153,8 @@ class Reader(ChainBase):
                      passed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``materialize``, once."""
         target = self.manifest(step)
-        wanted = [r for r in target.records if names is None or r.name in names]
+        with collector_paused():  # builds the step's records (``Records``)
+            wanted = [r for r in target.records if names is None or r.name in names]
         plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
         final: dict[str, int] = {}  # the step whose record gives each name its final words
         taken: dict[str, int] = {}  # the step after whose record ``passing``'s words are taken
@@ -167,20 +168,22 @@ class Reader(ChainBase):
             problems.append(Problem.of(exc, at, name))
             failed.add(name)
 
-        for rec in wanted:
-            try:
-                lineage = self._lineage(rec.name, step)
-            except TPDEError as exc:
-                fail(exc, step, rec.name)
-                continue
-            if rec.name in passing:
-                on_way = self._lineage(rec.name, passing[rec.name])
-                if lineage[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
-                    taken[rec.name] = on_way[-1][0]
-            for i, (at, r) in enumerate(lineage):
-                plan[at].append((r, check_every or (check and i == len(lineage) - 1)
-                                 or taken.get(rec.name) == at))
-            final[rec.name] = lineage[-1][0]
+        # Builds the records it uses of the lineages' manifests (``Records``).
+        with collector_paused():
+            for rec in wanted:
+                try:
+                    lineage = self._lineage(rec.name, step)
+                except TPDEError as exc:
+                    fail(exc, step, rec.name)
+                    continue
+                if rec.name in passing:
+                    on_way = self._lineage(rec.name, passing[rec.name])
+                    if lineage[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
+                        taken[rec.name] = on_way[-1][0]
+                for i, (at, r) in enumerate(lineage):
+                    plan[at].append((r, check_every or (check and i == len(lineage) - 1)
+                                     or taken.get(rec.name) == at))
+                final[rec.name] = lineage[-1][0]
         current: dict[str, torch.Tensor] = {}
         # (step, batch) in step order; each is prepared while the one before is rebuilt.
         units = [(at, batch) for at in sorted(plan)

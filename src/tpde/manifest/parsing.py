@@ -19,7 +19,7 @@ from .. import codec, dtypes, frames, quant, transform
 from ..errors import FormatError
 from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
                     PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record,
-                    SectionRef, Unread, canonical, content_hash, written_body)
+                    Records, SectionRef, Unread, canonical, content_hash, written_body)
 
 
 def plain(data: bytes, *, step: int | None = None) -> bytes:
@@ -44,14 +44,18 @@ def plain(data: bytes, *, step: int | None = None) -> bytes:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while a manifest is parsed, and left as it
-    was found. A parse makes about a thousand containers (the JSON's dicts and lists, freed
-    by reference counting once the records are built), and they set off collections: 58 per
-    restore of E's latest step (23 manifests), and a full one, which walks torch's 200k
-    objects (42-70 ms), every 2.5 restores. Held off: 16 per restore, a full one every 7.5
-    (``benchmarks/README.md``, sixteenth round)."""
-    if not gc.isenabled():  # switched off by the program, or by another parse
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off, and left as it was found: around a parse,
+    and around a restore's walk through its tensors' lineages, which builds the records it
+    uses (``Records``).
+
+    A parse makes about a thousand containers (the JSON's dicts and lists), and they set off
+    collections: 58 per restore of E's latest step (23 manifests), and a full one, which walks
+    torch's 200k objects (42-70 ms), every 2.5 restores. Held off: 16 per restore, a full one
+    every 7.5 (``benchmarks/README.md``, sixteenth round). Records built as the walk asks for
+    them, outside any pause, set off 2.1 times as many collections again, and a full one every
+    3.3 restores (seventeenth round)."""
+    if not gc.isenabled():  # switched off by the program, or by an enclosing pause
         yield
         return
     gc.disable()
@@ -61,13 +65,18 @@ def _collector_paused() -> Iterator[None]:
         gc.enable()
 
 
-def parse(data: bytes, *, step: int | None = None) -> Manifest:
-    """Parse and check a manifest; anything malformed raises ``FormatError``."""
-    with _collector_paused():
-        return _parse(data, step)
+def parse(data: bytes, *, step: int | None = None, lazy: bool = False,
+          run: str | None = None) -> Manifest:
+    """Parse and check a manifest; anything malformed raises ``FormatError``.
+
+    With ``lazy`` (what a chain's reader asks for) each record is built and checked the first
+    time it is used (``Records``): a record that fails its checks raises then, naming ``run``,
+    the step and the tensor, before anything is allocated from it."""
+    with collector_paused():
+        return _parse(data, step, lazy, run)
 
 
-def _parse(data: bytes, step: int | None) -> Manifest:
+def _parse(data: bytes, step: int | None, lazy: bool, run: str | None) -> Manifest:
     framed, size = data.startswith(ZSTD_MAGIC), len(data)
     data = plain(data, step=step)
     try:
@@ -85,15 +94,18 @@ def _parse(data: bytes, step: int | None) -> Manifest:
     if not matched:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
-        m = _build(body, step, Unread(data))
+        m = _build(body, step, Unread(data), lazy, run)
         if framed and m.format < FRAMED_FORMAT:
             raise FormatError(f"format {m.format} manifest stored as a zstd frame", step=step)
         m.__dict__["_size"] = size
         return m
     except FormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except _ILL_TYPED as exc:
         raise FormatError(f"manifest has a missing or ill-typed field ({exc})", step=step) from None
+
+
+_ILL_TYPED = (KeyError, TypeError, ValueError, AttributeError)
 
 
 def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -102,16 +114,27 @@ def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _build(b: dict[str, Any], step: int | None, skeleton: Unread) -> Manifest:
+def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: bool,
+           run: str | None) -> Manifest:
     if _int(b["format"]) > FORMAT:
         raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
                           "upgrade tpde to read it", step=step)
+    raw, at = b["records"], _int(b["step"])
+    if type(raw) is not list:
+        raise ValueError("records is not a list")
+    index = {str(r["name"]): i for i, r in enumerate(raw)}
+    if lazy:  # what the records' checks read of the body, not the whole (its skeleton's JSON)
+        of = {k: b[k] for k in ("format", "step", "blob_size")} | {"shards": b.get("shards")}
+        records: list[Record] | Records = Records(
+            raw, index, functools.partial(_checked, b=of, step=at, run=run))
+    else:
+        records = [_record(r, b) for r in raw]
     m = Manifest(
-        step=_int(b["step"]), keyframe=bool(b["keyframe"]), depth=_int(b["depth"]),
+        step=at, keyframe=bool(b["keyframe"]), depth=_int(b["depth"]),
         parent=None if b["parent"] is None else _int(b["parent"]),
         blob=None if b["blob"] is None else str(b["blob"]), blob_size=_int(b["blob_size"]),
         created=float(b["created"]), seconds=float(b["seconds"]), skeleton=skeleton,
-        records=[_record(r, b) for r in b["records"]], format=b["format"],
+        records=records, format=b["format"],
         origin=None if b.get("origin") is None else str(b["origin"]),
         shards=_shards(b.get("shards", [])),
         dcp=None if b.get("dcp") is None else dict(b["dcp"]),
@@ -122,18 +145,34 @@ def _build(b: dict[str, Any], step: int | None, skeleton: Unread) -> Manifest:
         raise FormatError(f"format {m.format} manifest is sharded", step=step)
     if step is not None and m.step != step:
         raise FormatError(f"manifest says step {m.step} but is stored as step {step}", step=step)
-    if len({r.name for r in m.records}) != len(m.records):
+    if len(index) != len(raw):
         raise FormatError("manifest names a tensor twice", step=m.step)
-    _check_pieces(m)
+    _check_pieces(m, raw)
     return m
 
 
-def _check_pieces(m: Manifest) -> None:
-    """Pieces of a span follow each other, end to end, with the span's dtype and device."""
+def _checked(r: Any, *, b: dict[str, Any], step: int, run: str | None) -> Record:
+    """``_record`` for ``Records``: its errors name the run and step, as a parse's do."""
+    try:
+        return _record(r, b)
+    except FormatError as exc:
+        raise exc.located(run=run, step=step) from None
+    except _ILL_TYPED as exc:
+        raise FormatError(f"manifest has a missing or ill-typed field ({exc})", run=run,
+                          step=step, tensor=str(r.get("name")) if isinstance(r, dict) else None
+                          ) from None
+
+
+def _check_pieces(m: Manifest, raw: list[Any]) -> None:
+    """Pieces of a span follow each other, end to end, with the span's dtype and device. Only
+    pieces are built for it (``raw`` is the records' JSON): the others are not pieces."""
     prev: Record | None = None
-    for r in m.records:
-        if r.start is not None and (m.format < PIECES_FORMAT
-                                    or not r.name.endswith(f"/{r.start}") or not r.span):
+    for i, item in enumerate(raw):
+        if item.get("start") is None:
+            prev = None
+            continue
+        r = m.records[i]
+        if m.format < PIECES_FORMAT or not r.name.endswith(f"/{r.start}") or not r.span:
             raise FormatError("not a valid piece of a span", step=m.step, tensor=r.name)
         if r.start:
             if prev is None or prev.start is None or r.start != prev.start + prev.numel \
