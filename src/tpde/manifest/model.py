@@ -136,11 +136,13 @@ class Records(Sequence[Record]):
     when it is read, so only a record that no reader asks for goes unchecked.
     """
 
-    __slots__ = ("_raw", "_index", "_build", "_built")
+    __slots__ = ("_raw", "_index", "_build", "_built", "_digest")
 
-    def __init__(self, raw: list[Any], index: dict[str, int],
-                 build: Callable[[Any], Record]) -> None:
-        self._raw, self._index, self._build = raw, index, build
+    def __init__(self, raw: list[Any], index: dict[str, int], build: Callable[[Any], Record],
+                 digest: str) -> None:
+        #: Each record's JSON until it is built (then None: a long-lived chain keeps one copy).
+        self._raw: list[Any] = raw
+        self._index, self._build, self._digest = index, build, digest
         self._built: list[Record | None] = [None] * len(raw)
 
     def __len__(self) -> int:
@@ -152,6 +154,7 @@ class Records(Sequence[Record]):
         rec = self._built[i]
         if rec is None:
             rec = self._built[i] = self._build(self._raw[i])
+            self._raw[i] = None
         return rec
 
     def __iter__(self) -> Iterator[Record]:
@@ -164,8 +167,8 @@ class Records(Sequence[Record]):
         return None if i is None else self[i]
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, Records):  # the same JSON builds the same records
-            return self._raw == other._raw
+        if isinstance(other, Records):  # the same digest, the same manifest
+            return self._digest == other._digest
         return isinstance(other, Sequence) and list(self) == list(other)
 
     __hash__ = None  # type: ignore[assignment]  # compared as the list it stands for

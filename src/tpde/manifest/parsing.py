@@ -94,7 +94,7 @@ def _parse(data: bytes, step: int | None, lazy: bool, run: str | None) -> Manife
     if not matched:
         raise FormatError("manifest digest does not match its content (damaged)", step=step)
     try:
-        m = _build(body, step, Unread(data), lazy, run)
+        m = _build(body, step, Unread(data), digest if lazy else None, run)
         if framed and m.format < FRAMED_FORMAT:
             raise FormatError(f"format {m.format} manifest stored as a zstd frame", step=step)
         m.__dict__["_size"] = size
@@ -114,8 +114,9 @@ def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: bool,
+def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: str | None,
            run: str | None) -> Manifest:
+    """The manifest of body ``b``; read ``lazy`` (given its digest), with ``Records``."""
     if _int(b["format"]) > FORMAT:
         raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
                           "upgrade tpde to read it", step=step)
@@ -123,10 +124,10 @@ def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: bool,
     if type(raw) is not list:
         raise ValueError("records is not a list")
     index = {str(r["name"]): i for i, r in enumerate(raw)}
-    if lazy:  # what the records' checks read of the body, not the whole (its skeleton's JSON)
+    if lazy is not None:  # what records' checks read of the body, not all (the skeleton)
         of = {k: b[k] for k in ("format", "step", "blob_size")} | {"shards": b.get("shards")}
         records: list[Record] | Records = Records(
-            raw, index, functools.partial(_checked, b=of, step=at, run=run))
+            raw, index, functools.partial(_checked, b=of, step=at, run=run), lazy)
     else:
         records = [_record(r, b) for r in raw]
     m = Manifest(
