@@ -131,9 +131,10 @@ class Records(Sequence[Record]):
 
     A restore reads the manifest of every step its tensors' lineages pass through and uses a
     third of their records: E's latest step (``compare.py``) reads 23 manifests and 4853
-    records, and builds 1789. Checking all of them was half of the 49-55 ms its manifests took
-    to parse, a quarter of the restore. The manifest's digest still covers every byte of it
-    when it is read, so only a record that no reader asks for goes unchecked.
+    records, and builds 1789. Its manifests took 45 ms of a 170 ms restore to parse, more than
+    half of it building and checking records (``benchmarks/README.md``, seventeenth round).
+    The manifest's digest still covers every byte of it when it is read, so only a record that
+    no reader asks for goes unchecked.
     """
 
     __slots__ = ("_raw", "_index", "_build", "_built", "_digest")
@@ -153,8 +154,11 @@ class Records(Sequence[Record]):
             return [self[k] for k in range(*i.indices(len(self._raw)))]
         rec = self._built[i]
         if rec is None:
-            rec = self._built[i] = self._build(self._raw[i])
-            self._raw[i] = None
+            raw = self._raw[i]
+            if raw is None:  # built by another thread since (a mount's prefetch)
+                return self._built[i]
+            rec = self._built[i] = self._build(raw)
+            self._raw[i] = None  # after the record is there, for a thread reading both
         return rec
 
     def __iter__(self) -> Iterator[Record]:
