@@ -153,8 +153,6 @@ class Reader(ChainBase):
                      passed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``materialize``, once."""
         target = self.manifest(step)
-        with collector_paused():  # builds the step's records (``Records``)
-            wanted = [r for r in target.records if names is None or r.name in names]
         plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
         final: dict[str, int] = {}  # the step whose record gives each name its final words
         taken: dict[str, int] = {}  # the step after whose record ``passing``'s words are taken
@@ -168,8 +166,9 @@ class Reader(ChainBase):
             problems.append(Problem.of(exc, at, name))
             failed.add(name)
 
-        # Builds the records it uses of the lineages' manifests (``Records``).
+        # Builds the step's records and those its lineages go through (``Records``).
         with collector_paused():
+            wanted = [r for r in target.records if names is None or r.name in names]
             for rec in wanted:
                 try:
                     lineage = self._lineage(rec.name, step)

@@ -102,10 +102,14 @@ def _parse(data: bytes, step: int | None, lazy: bool, run: str | None) -> Manife
     except FormatError:
         raise
     except _ILL_TYPED as exc:
-        raise FormatError(f"manifest has a missing or ill-typed field ({exc})", step=step) from None
+        raise _ill_typed(exc, step=step) from None
 
 
 _ILL_TYPED = (KeyError, TypeError, ValueError, AttributeError)
+
+
+def _ill_typed(exc: Exception, **where: Any) -> FormatError:
+    return FormatError(f"manifest has a missing or ill-typed field ({exc})", **where)
 
 
 def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -114,9 +118,9 @@ def _int(value: Any, lo: int = 0, hi: int = 1 << 62) -> int:
     return value
 
 
-def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: str | None,
+def _build(b: dict[str, Any], step: int | None, skeleton: Unread, digest: str | None,
            run: str | None) -> Manifest:
-    """The manifest of body ``b``; read ``lazy`` (given its digest), with ``Records``."""
+    """The manifest of body ``b``; given its ``digest``, read lazily (``Records``)."""
     if _int(b["format"]) > FORMAT:
         raise FormatError(f"manifest format {b['format']} is newer than this tpde ({FORMAT}); "
                           "upgrade tpde to read it", step=step)
@@ -124,10 +128,10 @@ def _build(b: dict[str, Any], step: int | None, skeleton: Unread, lazy: str | No
     if type(raw) is not list:
         raise ValueError("records is not a list")
     index = {str(r["name"]): i for i, r in enumerate(raw)}
-    if lazy is not None:  # what records' checks read of the body, not all (the skeleton)
+    if digest is not None:  # what records' checks read of the body, not all (the skeleton)
         of = {k: b[k] for k in ("format", "step", "blob_size")} | {"shards": b.get("shards")}
         records: list[Record] | Records = Records(
-            raw, index, functools.partial(_checked, b=of, step=at, run=run), lazy)
+            raw, index, functools.partial(_checked, b=of, step=at, run=run), digest)
     else:
         records = [_record(r, b) for r in raw]
     m = Manifest(
@@ -159,9 +163,8 @@ def _checked(r: Any, *, b: dict[str, Any], step: int, run: str | None) -> Record
     except FormatError as exc:
         raise exc.located(run=run, step=step) from None
     except _ILL_TYPED as exc:
-        raise FormatError(f"manifest has a missing or ill-typed field ({exc})", run=run,
-                          step=step, tensor=str(r.get("name")) if isinstance(r, dict) else None
-                          ) from None
+        raise _ill_typed(exc, run=run, step=step,
+                         tensor=str(r.get("name")) if isinstance(r, dict) else None) from None
 
 
 def _check_pieces(m: Manifest, raw: list[Any]) -> None:
