@@ -4,7 +4,7 @@ against zstandard's batch API (``multi_compress_to_buffer`` / ``multi_decompress
 which start their threads on every call, then a copy of every frame into the result, as tpde
 did before). "To words" is what a restore needs: the planes decompressed and put back
 together as words, by the batch API and then ``transform.unshuffle`` (before), or by
-``transform.stream_words`` (``frames.unshuffle_into``), which puts each frame in place as it is
+``transform.stream_words`` (``unframe.unshuffle_into``), which puts each frame in place as it is
 decompressed.
 
 Streams: the byte planes of a 64 MiB fp32 weight (a keyframe) and of the residual of a small
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import zstandard
 
-from tpde import codec, frames, transform
+from tpde import codec, frames, transform, unframe
 
 MB = 1e6
 
@@ -86,8 +86,8 @@ def main() -> None:
         sec = frames.compress(data, chunk=chunk)
         fr = list(sec.frames)
         assert bytes(batch_api_decompress(fr, sec.raw, chunk, 1)) == data.tobytes()
-        assert frames.decompress(fr, sec.raw, chunk).tobytes() == data.tobytes()
-        assert torch.equal(transform.stream_words(frames.Frames(fr, sec.raw, chunk), torch.int32),
+        assert unframe.decompress(fr, sec.raw, chunk).tobytes() == data.tobytes()
+        assert torch.equal(transform.stream_words(unframe.Frames(fr, sec.raw, chunk), torch.int32),
                            transform.unshuffle(planes, torch.int32))
         for threads in (1, 2):
             row = {"stream": name, "threads": threads, "ratio": round(sec.raw / sec.stored, 3),
@@ -98,12 +98,12 @@ def main() -> None:
                    "decompress_batch_api_MBps": rate(
                        lambda: batch_api_decompress(fr, sec.raw, chunk, threads), sec.raw),
                    "decompress_tpde_MBps": rate(
-                       lambda: frames.decompress(fr, sec.raw, chunk, threads=threads), sec.raw),
+                       lambda: unframe.decompress(fr, sec.raw, chunk, threads=threads), sec.raw),
                    "words_batch_api_MBps": rate(lambda: transform.unshuffle(torch.frombuffer(
                        batch_api_decompress(fr, sec.raw, chunk, threads), dtype=torch.uint8),
                        torch.int32), sec.raw),
                    "words_tpde_MBps": rate(
-                       lambda: transform.stream_words(frames.Frames(fr, sec.raw, chunk),
+                       lambda: transform.stream_words(unframe.Frames(fr, sec.raw, chunk),
                                                       torch.int32, threads=threads), sec.raw)}
             rows.append({k: round(v) if isinstance(v, float) and k.endswith("MBps") else v
                          for k, v in row.items()})

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import elias, frame_threads, frames, transform
+from tpde import elias, frame_threads, frames, transform, unframe
 from tpde.kernels import nvcomp
 from tpde.kernels import triton_kernels as tk
 
@@ -73,9 +73,9 @@ def main() -> None:
         lambda: nvcomp.decompress(fr, sec.raw, sec.chunk, dev), args.repeats), raw, ratio=ratio)
     cpu_threads = frame_threads.default_threads()
     row(f"CPU zstd decode ({cpu_threads} threads)", median_s(
-        lambda: frames.decompress(fr, sec.raw, sec.chunk), args.repeats), raw)
+        lambda: unframe.decompress(fr, sec.raw, sec.chunk), args.repeats), raw)
     row("CPU zstd decode + copy to device", median_s(
-        lambda: torch.frombuffer(frames.decompress(fr, sec.raw, sec.chunk),
+        lambda: torch.frombuffer(unframe.decompress(fr, sec.raw, sec.chunk),
                                  dtype=torch.uint8).to(dev), args.repeats), raw)
     # nvCOMP decodes one chunk per thread block: a small batch (a mounted module's weights)
     # leaves most of the GPU idle, and its latency is that of one chunk.
@@ -92,7 +92,7 @@ def main() -> None:
     row("nvCOMP encode", median_s(
         lambda: nvcomp.compress(on_dev, level=1, chunk=frames.DEFAULT_CHUNK), args.repeats), raw,
         ratio=round(raw / gsec.stored, 3))
-    assert frames.decompress(list(gsec.frames), gsec.raw, gsec.chunk).tobytes() == \
+    assert unframe.decompress(list(gsec.frames), gsec.raw, gsec.chunk).tobytes() == \
         planes.numpy().tobytes(), "nvCOMP frames differ from the input on the CPU"
 
     # The Triton kernels.

@@ -26,7 +26,7 @@ import torch
 
 import tpde
 from speed_bench import pin, states
-from tpde import frame_threads, frames, transform
+from tpde import frame_threads, transform, unframe
 from tpde.chain import Chain
 
 
@@ -56,21 +56,21 @@ def main() -> None:
 
         def zstd(threads: int) -> None:
             def work(indices):
-                framed = frames.Framed(key_frames, kv.raw, kv.chunk)  # reused buffers, per thread
+                framed = unframe.Framed(key_frames, kv.raw, kv.chunk)  # reused buffers, per thread
                 for i in indices:
                     framed._frame(i)
             frame_threads.spread(len(key_frames), threads, work, kv.raw)
 
         def into_faulted(threads: int) -> None:
-            transform.stream_words(frames.Frames(key_frames, kv.raw, kv.chunk), torch.int32,
+            transform.stream_words(unframe.Frames(key_frames, kv.raw, kv.chunk), torch.int32,
                                    threads=threads, out=faulted)
 
         def into_fresh(threads: int) -> None:
-            transform.stream_words(frames.Frames(key_frames, kv.raw, kv.chunk), torch.int32,
+            transform.stream_words(unframe.Frames(key_frames, kv.raw, kv.chunk), torch.int32,
                                    threads=threads)
 
         def apply_delta(threads: int) -> None:
-            transform.apply_streamed(faulted, frames.Frames(delta_frames, dv.raw, dv.chunk),
+            transform.apply_streamed(faulted, unframe.Frames(delta_frames, dv.raw, dv.chunk),
                                      delta.residual, "float", threads=threads)
 
         def fault_fill(threads: int) -> None:

@@ -1,12 +1,13 @@
 """tpde as the storage layer under ``torch.distributed.checkpoint`` (DCP).
 
 DCP stays the distributed engine: it plans which rank writes which chunk of which tensor,
-deduplicates replicated items and reshards on load. ``Writer`` and ``Reader`` only store and
-serve chunks. Each rank codes its chunks as tpde records, as deltas against the chunk of the
-same tensor, offsets and sizes at the previous step (whichever rank wrote it), into a blob of
-its own; the coordinator commits the step last, in one manifest that names every rank's records
-and carries DCP's metadata as JSON (chain format 5, ``docs/format.md`` §12). A step is visible
-only once every rank's blob is durable, so a rank killed mid-save leaves no half step.
+deduplicates replicated items and reshards on load. ``Writer`` (here) and ``Reader``
+(``dcp_read``) only store and serve chunks. Each rank codes its chunks as tpde records, as
+deltas against the chunk of the same tensor, offsets and sizes at the previous step (whichever
+rank wrote it), into a blob of its own; the coordinator commits the step last, in one manifest
+that names every rank's records and carries DCP's metadata as JSON (chain format 5,
+``docs/format.md`` §12). A step is visible only once every rank's blob is durable, so a rank
+killed mid-save leaves no half step.
 
     dcp.save(state, storage_writer=tpde.dcp.Writer("s3://bucket/run", step))
     dcp.load(state, storage_reader=tpde.dcp.Reader("s3://bucket/run"))   # the latest step
@@ -28,26 +29,25 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, SavePlan,
-                                                  SavePlanner, WriteItem, WriteItemType)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from tpde import codec, dtypes, frames, transform
 from tpde.api import check_reference
-from tpde.chain import DATA, DECODE_BATCH_BYTES, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
+from tpde.chain import DATA, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.write import put_sections
-from tpde.errors import FormatError, TPDEError, UnsupportedError
+from tpde.errors import TPDEError
 from tpde.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, Record, format_for, record_hash
 from tpde.store import Store
 from tpde.plugins import dcp_metadata as layout
 
-__all__ = ["Reader", "Writer", "load_full"]
+__all__ = ["Writer"]
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -68,7 +68,7 @@ class _Stored:
     records: list[Record]
 
 
-class _OnRun:
+class OnRun:
     """What Writer and Reader share: the run they were made with, opened when first used."""
 
     run: str
@@ -118,7 +118,7 @@ def _release_leases() -> None:
             lease.release()
 
 
-class Writer(_OnRun, StorageWriter):
+class Writer(OnRun, StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
     ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s.
@@ -162,7 +162,7 @@ class Writer(_OnRun, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         rank = kwargs.get("rank")
-        self.rank = rank if rank is not None else _rank()
+        self.rank = rank if rank is not None else process_rank()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -358,137 +358,6 @@ def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int,
     if whole:
         return [_Piece(k, base, None, 0, n, size)]
     return [_Piece(k, f"{base}/{lo}", lo, lo, hi, size) for lo, hi in parts]
-
-
-class Reader(_OnRun, StorageReader):
-    """Load step ``step`` (None: the latest) of the run at ``run`` through DCP, into any world
-    size and placement: DCP's planner asks for slices of saved chunks, which are rebuilt from
-    their records and hash-checked."""
-
-    def __init__(self, run: str, step: int | None = None, *,
-                 storage_options: dict[str, Any] | None = None) -> None:
-        super().__init__()
-        self.run, self.step, self.storage_options = run, step, storage_options
-        self.rank = 0
-        self._chain: Chain | None = None
-        self._storage: dict[Any, list[str]] = {}
-        self._dtypes: dict[str, str] = {}
-        self._at: int | None = None
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        self._refuse_other(checkpoint_id, "dcp.load")
-        self._storage = {}
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        chain = self.chain
-        chain.require_run()
-        step = self.step if self.step is not None else chain.latest()
-        m = chain.manifest(step)
-        if m.dcp is None:
-            raise UnsupportedError("was saved by Checkpointer (one process), not through "
-                                   "torch.distributed.checkpoint: load it with "
-                                   "tpde.Checkpointer(run).load(step)", run=self.run, step=step)
-        self._at = step
-        meta, self._storage = layout.from_json(m.dcp, run=self.run, step=step)
-        self._dtypes = {fqn: t["dtype"] for fqn, t in m.dcp["tensors"].items()}
-        return meta
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
-        rank = kwargs.get("rank")
-        self.rank = rank if rank is not None else _rank()
-        if not self._storage:  # metadata read by another rank (or another Reader)
-            self._storage = dict(metadata.storage_data)
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._at is None:
-            self.read_metadata()
-        step = self._at
-        # Each saved chunk is rebuilt once, however many slices of it this rank asks for.
-        by_chunk: dict[Any, list[Any]] = {}
-        for req in plan.items:
-            by_chunk.setdefault(req.storage_index, []).append(req)
-        chunks = list(by_chunk)
-        sizes = [sum(self.chain.manifest(step).record(n).raw_bytes
-                     for n in self._records(key, step)) for key in chunks]
-        for batch in batches(chunks, sizes, DECODE_BATCH_BYTES):
-            names = [n for key in batch for n in self._records(key, step)]
-            words = self.chain.materialize(step, names)
-            for key in batch:
-                parts = [words.pop(n) for n in self._records(key, step)]
-                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-                for req in by_chunk[key]:
-                    self._serve(req, flat, planner, step)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
-
-    # ------------------------------------------------------------------ helpers
-    def _records(self, key: Any, step: int) -> list[str]:
-        found = self._storage.get(key)
-        if found is None:
-            raise FormatError(f"rank {self.rank} asked for {key.fqn!r} at offsets "
-                              f"{list(key.offset or [])}, which the step does not hold",
-                              run=self.run, step=step, tensor=key.fqn)
-        return found
-
-    def _serve(self, req: Any, words: torch.Tensor, planner: LoadPlanner, step: int) -> None:
-        fqn = req.storage_index.fqn
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(words.view(torch.uint8).numpy().tobytes()))
-            return
-        saved = self._dtypes[fqn]
-        dt = dtypes.by_name(saved)
-        target = planner.resolve_tensor(req).detach()
-        if target.dtype != dt.torch_dtype:
-            raise TPDEError(f"rank {self.rank} loads it into a {target.dtype} tensor, but it "
-                            f"was saved as {dt.torch_dtype}; convert after loading, or load "
-                            "into a state of the saved dtype", run=self.run, step=step,
-                            tensor=fqn)
-        sizes = self._chunk_sizes(fqn, req.storage_index.offset)
-        chunk = words.view(torch.uint8).view(dt.torch_dtype).reshape(sizes)
-        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-            chunk = chunk.narrow(dim, start, length)
-        if target.size() != chunk.size():
-            raise FormatError(f"rank {self.rank} asked for a {list(target.size())} slice where "
-                              f"the stored chunk gives {list(chunk.size())}", run=self.run,
-                              step=step, tensor=fqn)
-        target.copy_(chunk)
-        planner.commit_tensor(req, target)
-
-    def _chunk_sizes(self, fqn: str, offsets: Any) -> list[int]:
-        m = self.chain.manifest(self._at)
-        for c in m.dcp["tensors"][fqn]["chunks"]:
-            if list(c["offsets"]) == list(offsets or []):
-                return list(c["sizes"])
-        raise FormatError(f"no stored chunk at offsets {list(offsets or [])}", run=self.run,
-                          step=self._at, tensor=fqn)
-
-
-def load_full(run: str, step: int | None = None, *,
-              storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A sharded step as one ordinary state dict in this process (what
-    ``dcp_to_torch_save`` builds from a DCP folder): every tensor whole, on the CPU."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    reader = Reader(run, step, storage_options=storage_options)
-    reader.read_metadata()  # what is wrong with the step is raised here, not inside DCP
-    with unwrapped():
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    return state
 
 
 @contextlib.contextmanager

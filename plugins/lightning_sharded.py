@@ -27,7 +27,8 @@ from tpde import entry as entries
 from tpde import tree
 from tpde.api import StepInfo
 from tpde.lease import DEFAULT_LEASE_SECONDS
-from tpde.plugins.dcp import Reader, Writer, hold
+from tpde.plugins.dcp import Writer, hold
+from tpde.plugins.dcp_read import Reader
 from tpde.plugins.lightning import TPDECheckpointIO, _split
 
 

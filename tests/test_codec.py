@@ -13,7 +13,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, codec, decoder, dtypes, frame_threads, frames, transform
+from tpde import FormatError, codec, decoder, dtypes, frame_threads, frames, transform, unframe
 
 DTYPES = sorted(dtypes.BY_NAME)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -35,7 +35,8 @@ def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Sett
     nw = transform.to_words(new, dt.word_dtype)
     rw = None if ref is None else transform.to_words(ref, dt.word_dtype)
     enc = codec.encode(nw, rw, dt.kind, settings, choice=choice)
-    sections = {k: frames.decompress(list(s.frames), s.raw, s.chunk) for k, s in enc.sections.items()}
+    sections = {k: unframe.decompress(list(s.frames), s.raw, s.chunk)
+                for k, s in enc.sections.items()}
     out = decoder.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
     assert torch.equal(out, nw)
     return enc
@@ -255,27 +256,27 @@ def test_a_close_call_between_sparse_and_dense_is_settled_by_coding_both() -> No
 def test_frames_round_trip(data: bytes, chunk: int) -> None:
     sec = frames.compress(data, chunk=chunk)
     assert len(sec.frames) == len(frames.raw_sizes(len(data), chunk))
-    assert frames.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == data
+    assert unframe.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == data
 
 
 def test_frames_refuse_a_frame_declaring_a_huge_size() -> None:
     bomb = zstandard.ZstdCompressor().compress(b"\0" * 1_000_000)
     with pytest.raises(FormatError, match="declares"):
-        frames.decompress([bomb], 4096, 4096)
+        unframe.decompress([bomb], 4096, 4096)
 
 
 def test_frames_without_declared_size_are_bounded() -> None:
     quiet = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * 100_000)
     with pytest.raises(FormatError):
-        frames.decompress([quiet], 4096, 4096)
+        unframe.decompress([quiet], 4096, 4096)
     ok = zstandard.ZstdCompressor(write_content_size=False).compress(b"x" * 4096)
-    assert frames.decompress([ok], 4096, 4096).tobytes() == b"x" * 4096
+    assert unframe.decompress([ok], 4096, 4096).tobytes() == b"x" * 4096
 
 
 @given(st.binary(min_size=1, max_size=2000))
 def test_garbage_frames_raise_format_error(data: bytes) -> None:
     with pytest.raises(FormatError):
-        frames.decompress([data], 4096, 4096)
+        unframe.decompress([data], 4096, 4096)
 
 
 def test_dtype_table_covers_every_dtype_torch_can_allocate() -> None:
@@ -316,12 +317,12 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
                                                 threads: int, whole: int) -> None:
     """A section read frame by frame as the decode reaches it (a mount at budget 0), or held
     in memory and applied in runs of slices on the frame threads (a restore) or decompressed
-    whole a frame at a time (``frames.WHOLE_BYTES``: a small record), rebuilds the same words
+    whole a frame at a time (``unframe.WHOLE_BYTES``: a small record), rebuilds the same words
     as the whole decompressed section, with chunks that tile the byte planes and chunks that
     straddle them, one slice of words or many."""
     with pytest.MonkeyPatch.context() as outer:
         planes_path(outer, c)
-        outer.setattr(frames, "WHOLE_BYTES", whole)
+        outer.setattr(unframe, "WHOLE_BYTES", whole)
         word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
         g = torch.Generator().manual_seed(seed)
         # Words of any sign: a float's order-preserving image flips the negative ones.
@@ -331,14 +332,14 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
         sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
         codec_name = "key" if how == "key" else "dense"
         streamed = decoder.decode(codec_name, None if how == "key" else how,
-                                {"values": frames.Framed(list(sec.frames), sec.raw, sec.chunk)},
+                                {"values": unframe.Framed(list(sec.frames), sec.raw, sec.chunk)},
                                 None if how == "key" else ref.clone(), n, word, kind)
         assert torch.equal(streamed, new)
         if how != "key":
             with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
                 mp.setattr(frame_threads, "SPREAD_BYTES", 1)
                 applied = transform.apply_streamed(
-                    ref.clone(), frames.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
+                    ref.clone(), unframe.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
                     threads=threads)
             assert torch.equal(applied, new)
 
@@ -359,10 +360,10 @@ def test_frames_go_straight_between_words_and_planes(c: bool, n: int, width: int
     rows = words.view(torch.uint8).numpy().reshape(n, width)
     with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
         mp.setattr(frame_threads, "SPREAD_BYTES", 1)
-        mp.setattr(frames, "WHOLE_BYTES", whole)
+        mp.setattr(unframe, "WHOLE_BYTES", whole)
         planes_path(mp, c)
         sec = frames.compress_planes(rows, level=1, chunk=chunk, threads=threads)
-        back = transform.stream_words(frames.Frames(list(sec.frames), sec.raw, sec.chunk), word,
+        back = transform.stream_words(unframe.Frames(list(sec.frames), sec.raw, sec.chunk), word,
                                    threads=threads)
     assert sec == frames.compress(_bytes_of(transform.shuffle(words)), level=1, chunk=chunk)
     assert torch.equal(back, words)
@@ -408,7 +409,7 @@ def test_a_small_record_whose_frames_are_its_planes_decodes_from_them(c: bool, w
     assert len(sec.frames) == width
     with pytest.MonkeyPatch.context() as mp:
         planes_path(mp, c)
-        held = frames.Frames(list(sec.frames), sec.raw, sec.chunk)
+        held = unframe.Frames(list(sec.frames), sec.raw, sec.chunk)
         if how == "key":
             back = transform.stream_words(held, word)
         else:
@@ -416,7 +417,7 @@ def test_a_small_record_whose_frames_are_its_planes_decodes_from_them(c: bool, w
         assert torch.equal(back, new)
         short = frames.compress(b"\0" * (n - 1), level=1, chunk=n).frames[0]
         with pytest.raises(FormatError, match="declares"):
-            transform.stream_words(frames.Frames([short, *sec.frames[1:]], sec.raw, sec.chunk),
+            transform.stream_words(unframe.Frames([short, *sec.frames[1:]], sec.raw, sec.chunk),
                                    word)
 
 

@@ -11,7 +11,7 @@ import torch
 
 import tpde
 from helpers import assert_same, mixed_codec_chain
-from tpde import frames
+from tpde import frames, unframe
 from tpde.errors import FormatError, TPDEError
 
 nvcomp = pytest.importorskip("tpde.kernels.nvcomp", reason="tpde.kernels.nvcomp does not import here")
@@ -25,7 +25,7 @@ pytestmark = [
 def test_gpu_frames_decode_on_cpu_and_back(size: int) -> None:
     data = torch.randint(0, 8, (size,), dtype=torch.uint8, device="cuda")
     sec = nvcomp.compress(data, level=3, chunk=65536)
-    assert frames.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == \
+    assert unframe.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == \
         data.cpu().numpy().tobytes()
     cpu = frames.compress(data.cpu().numpy().tobytes(), chunk=65536)
     back = nvcomp.decompress(list(cpu.frames), cpu.raw, cpu.chunk, data.device)

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpde
-from tpde import codec, decoder, frames, transform
+from tpde import codec, decoder, transform, unframe
 
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16),
           "float16": (torch.float16, torch.int16)}
@@ -42,7 +42,7 @@ def holds(saved: torch.Tensor, got: torch.Tensor, bound: tpde.Bound) -> np.ndarr
 def roundtrip(words: torch.Tensor, ref: torch.Tensor | None, dtype: str,
               bound: tpde.Bound) -> tuple[codec.Encoding, torch.Tensor]:
     enc = codec.encode(words, ref, "float", codec.Settings(chunk=4096), bound=bound, dtype=dtype)
-    secs = {k: frames.decompress(s.frames, s.raw, s.chunk) for k, s in enc.sections.items()}
+    secs = {k: unframe.decompress(s.frames, s.raw, s.chunk) for k, s in enc.sections.items()}
     if enc.codec == "same":
         return enc, ref.clone()
     out = decoder.decode(enc.codec, enc.residual, secs, None if enc.keyed else ref.clone(),

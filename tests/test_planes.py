@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, frames, transform
+from tpde import FormatError, frames, transform, unframe
 
 WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PATHS = pytest.mark.parametrize("c", [True, False], ids=["c", "numpy"])
@@ -87,11 +87,11 @@ def test_plane_gathers_and_scatters(c: bool, width: int, n: int, seed: int, data
         assert np.array_equal(out, rows[first : first + m, k])
         planes = np.ascontiguousarray(rows.T)
         back = np.empty_like(rows)
-        frames.join(planes, back)
+        unframe.join(planes, back)
         assert np.array_equal(back, rows)
         # Words that do not start at a multiple of their width take numpy's path.
         odd = np.empty(n * width + 1, dtype=np.uint8)[1:].reshape(n, width)
-        frames.join(planes, odd)
+        unframe.join(planes, odd)
         assert np.array_equal(odd, rows)
 
 

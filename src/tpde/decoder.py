@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import elias, frames, quant
+from . import elias, quant, unframe
 from .errors import FormatError
 from .transform import HOST_SLICE, apply_residual, apply_streamed, stream_words, unshuffle
 
@@ -86,8 +86,8 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
         return ref
     values = sections.get("values")
     if codec == "dense" and not ref.is_cuda and (
-            isinstance(values, frames.Framed)
-            or isinstance(values, frames.Frames)):
+            isinstance(values, unframe.Framed)
+            or isinstance(values, unframe.Frames)):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
                               kind)
     r = do.words(sections, "values", word_dtype)
@@ -138,7 +138,7 @@ def _words_from(sections: dict[str, bytes | np.ndarray], name: str,
     # Taken out of the record's sections: the planes are freed once unshuffled, not held
     # while the words are applied to the reference.
     data = sections.pop(name)
-    if isinstance(data, (frames.Framed, frames.Frames)):
+    if isinstance(data, (unframe.Framed, unframe.Frames)):
         return stream_words(data, word_dtype, out=dest)
     if not (isinstance(data, np.ndarray) and data.flags.writeable):
         data = np.frombuffer(bytearray(data), dtype=np.uint8)

@@ -1,4 +1,5 @@
-"""Chunked Zstandard: a byte stream cut into fixed-size chunks, each a standard zstd frame.
+"""Chunked Zstandard, written: a byte stream cut into fixed-size chunks, each a standard zstd
+frame (``unframe`` reads them back).
 
 Independent frames are what let the CPU (the process's frame threads; zstd releases the GIL
 for each frame) and the GPU (nvCOMP's batched zstd in RAW mode) compress and decompress many
@@ -13,13 +14,11 @@ import functools
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 import zstandard
 
-from . import heap
-from .errors import FormatError
 from .frame_threads import spread
 
 try:  # byte planes and residuals in C (_planes.c), with the GIL released
@@ -28,11 +27,6 @@ except ImportError:  # built without a compiler: numpy's passes
     native = None
 
 DEFAULT_CHUNK = 256 * 1024
-#: Streams held in memory up to this size are decompressed whole, a call per frame, and
-#: their words joined (or applied) in one more call (``whole``, ``join_whole``); larger ones a
-#: slice at a time on the frame threads, where a few buffers per thread cost less than the
-#: whole stream beside the words.
-WHOLE_BYTES = 1 << 20
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
 #: None: the parameters of ``compressor`` below, measured for byte planes; an int: that zstd level.
 DEFAULT_LEVEL: int | None = None
@@ -219,136 +213,6 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     return Section(raw, chunk, tuple(out))
 
 
-def check_table(raw: int, chunk: int, table: Sequence[int], *, limit: int) -> None:
-    """Reject a chunk table that is inconsistent or larger than ``limit`` raw bytes (its
-    entries are positive integers: the manifest's parser checks each as it reads it)."""
-    if raw < 0 or raw > limit:
-        raise FormatError(f"stream claims {raw} raw bytes where at most {limit} are possible")
-    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
-        raise FormatError(f"chunk size {chunk} is outside [{MIN_CHUNK}, {MAX_CHUNK}]")
-    if len(table) != -(-raw // chunk):
-        raise FormatError("chunk table does not match the stream's raw size")
-
-
-def check_declared(frames: Sequence[memoryview | bytes], sizes: list[int]) -> bool:
-    """Refuse a frame whose header declares another size than its chunk's; True when every
-    frame declares its size (some GPU encoders omit it)."""
-    try:
-        declared = [zstandard.get_frame_parameters(f).content_size for f in frames]
-    except zstandard.ZstdError as exc:
-        raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
-    for d, size in zip(declared, sizes):
-        if d not in (size, zstandard.CONTENTSIZE_UNKNOWN):
-            raise FormatError(f"zstd frame declares {d} bytes where {size} are expected")
-    return zstandard.CONTENTSIZE_UNKNOWN not in declared
-
-
-def decompress(frames: Sequence[memoryview | bytes], raw: int, chunk: int, *,
-               threads: int | None = None) -> np.ndarray:
-    """Decompress frames back to one stream of exactly ``raw`` bytes, on ``threads`` of the
-    frame threads, each frame straight into its place in the result (a writable array that
-    callers wrap in a tensor without a copy); beside it, one frame per thread at a time.
-
-    The expected size of every chunk is passed to zstd, so a frame that claims or produces more
-    is refused before anything large is allocated.
-    """
-    whole = np.empty(raw, dtype=np.uint8)  # not zero-filled first, as a bytearray would be
-    unshuffle_into(Frames(frames, raw, chunk), whole.reshape(-1, 1), threads=threads)
-    return whole
-
-
-@dataclass(frozen=True)
-class Frames:
-    """A section's frames, left for the decode to decompress where their bytes go
-    (``unshuffle_into``)."""
-
-    frames: Sequence[memoryview | bytes]
-    raw: int
-    chunk: int
-
-
-def by_slices(stream: Frames | Framed, n: int,
-              work: Callable[[Framed, Iterable[int]], None], *, threads: int | None = None
-              ) -> None:
-    """``work(framed, starts)`` over the slices of a stream of the byte planes of ``n`` words,
-    each slice ``chunk`` words (its part of every plane spans at most two frames), given by
-    its first word. A ``Framed`` is read on this thread, as its frames may be fetched as they
-    are reached; frames held in memory are shared out in runs of slices over the frame
-    threads, each reading them through a ``Framed`` of its own, which checks each frame's
-    declared size as its thread reaches it (not all of them first on this thread: 0.5 ms of a
-    32 MiB piece's 12 that nothing else ran beside)."""
-    per = stream.chunk
-    if isinstance(stream, Framed):
-        work(stream, range(0, n, per))
-        return
-    spread(-(-n // per), threads,
-           lambda mine: work(Framed(stream.frames, stream.raw, stream.chunk),
-                             (i * per for i in mine)), stream.raw)
-
-
-def unshuffle_into(stream: Frames | Framed, rows: np.ndarray, *,
-                   threads: int | None = None) -> None:
-    """Decompress a stream of byte planes straight into the words they hold: ``rows`` is the
-    words' bytes, one row per word, and byte ``i`` of plane ``k`` goes to ``rows[i, k]``.
-
-    Slice by slice (``by_slices``), a slice's part of every plane is decompressed (each frame
-    once, as ``Framed`` keeps the last ones) and its words are joined from the frames in cache,
-    in one write pass (``Framed.words_into``). No copy of the planes is held beside the words,
-    and the words are not written once per plane: put plane by plane, a 200 MB keyframe
-    restored at 2.0-2.2 GB/s, 57% of its samples in the puts.
-    """
-    n, width = rows.shape
-    if len(raw_sizes(stream.raw, stream.chunk)) != len(stream.frames) or n * width != stream.raw:
-        raise FormatError("chunk count does not match the stream's raw size")
-    if isinstance(stream, Frames) and stream.raw <= WHOLE_BYTES:
-        join_whole(whole(stream), rows)
-        return
-
-    def work(framed: Framed, starts: Iterable[int]) -> None:
-        for lo in starts:
-            framed.words_into(n, lo, rows[lo : lo + stream.chunk])
-
-    by_slices(stream, n, work, threads=threads)
-
-
-def whole(stream: Frames) -> list[bytes]:
-    """A small stream's frames, each decompressed in one call: through ``Framed`` and the frame
-    threads, E's small records took 16 us each where this and ``join_whole`` take 6. Each
-    frame's declared size is checked first, and zstd is told the size, so a frame that claims
-    or produces more is refused before anything large is allocated."""
-    sizes = raw_sizes(stream.raw, stream.chunk)
-    if len(sizes) != len(stream.frames):
-        raise FormatError("chunk count does not match the stream's raw size")
-    dctx, out = _decompressor(), []
-    for i, size in enumerate(sizes):
-        frame = stream.frames[i]  # once: a memory-first decode's frames are read as asked for
-        check_declared([frame], [size])
-        try:
-            data = dctx.decompress(frame, max_output_size=size)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
-        if len(data) != size:
-            raise FormatError("a zstd frame decoded to the wrong number of bytes")
-        out.append(data)
-    return out
-
-
-def join_whole(parts: list[bytes], rows: np.ndarray, mode: int = 0) -> None:
-    """Words from a whole stream of their byte planes, decompressed frame by frame (``whole``),
-    into ``rows`` (their bytes, one row per word): stored or, with a ``mode`` of ``_planes.c``
-    (``native_words`` rows only), applied to them as a residual, in one pass. Frames that are
-    the planes (a small record's chunk is its plane) are joined where they are."""
-    n, width = rows.shape
-    if len(parts) != width or any(len(p) != n for p in parts):
-        joined = memoryview(b"".join(parts))
-        parts = [joined[k * n : (k + 1) * n] for k in range(width)]
-    if native_words(rows):
-        native.join(parts, width, rows, mode)
-    else:  # stored only: residuals are applied here to native words alone (apply_streamed)
-        for k, plane in enumerate(parts):
-            rows[:, k] = np.frombuffer(plane, dtype=np.uint8)
-
-
 def take(rows: np.ndarray, k: int, first: int, out: np.ndarray) -> None:
     """Byte ``k`` of words ``first, first + 1, ...`` of ``rows`` (their bytes, one row per word)
     into ``out`` (contiguous bytes)."""
@@ -370,15 +234,6 @@ def native_words(rows: np.ndarray) -> bool:
     return rows.flags.c_contiguous and native_layout(True, rows.shape[1], rows.ctypes.data)
 
 
-def join(planes: np.ndarray, rows: np.ndarray) -> None:
-    """Words from their byte planes: ``rows[j, k] = planes[k, j]`` (``planes`` contiguous)."""
-    if native_words(rows):
-        native.join(planes, rows.shape[1], rows, 0)
-    else:
-        for k in range(rows.shape[1]):
-            rows[:, k] = planes[k]
-
-
 # ---------------------------------------------------------------- each thread's zstd contexts
 _local = threading.local()
 
@@ -396,108 +251,3 @@ def _compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
     return made[key]
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    if not hasattr(_local, "dctx"):
-        _local.dctx = zstandard.ZstdDecompressor()
-    return _local.dctx
-
-
-class Framed:
-    """A section's frames, decompressed only as its bytes are asked for.
-
-    What a decode reads when memory comes first (a mount at budget 0): the stream is never
-    held whole beside the words it becomes, and ``frames`` may be a sequence that reads each
-    frame from the store only when it is asked for. Frames are decompressed into a few reused
-    buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
-    plane, slice after slice, decompresses each frame once. The restore path reads frames held
-    in memory the same way, a run of slices per frame thread (``by_slices``).
-    """
-
-    def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int) -> None:
-        self.sizes = raw_sizes(raw, chunk)
-        if len(self.sizes) != len(frames):
-            raise FormatError("chunk count does not match the stream's raw size")
-        self.frames, self.raw, self.chunk = frames, raw, chunk
-        self.keep = 2  # frames held decompressed: enough to read a plane in order
-        self._held: dict[int, np.ndarray] = {}  # frame index -> its buffer, oldest first
-        self._spare: list[np.ndarray] = []
-
-    def __len__(self) -> int:
-        return self.raw
-
-    def _frame(self, i: int) -> np.ndarray:
-        n = self.sizes[i]
-        if i in self._held:  # now the most recently used: what is evicted is the oldest
-            self._held[i] = self._held.pop(i)
-            return self._held[i][:n]
-        while len(self._held) >= self.keep:
-            self._spare.append(self._held.pop(next(iter(self._held))))
-        buf = self._spare.pop() if self._spare else heap.in_heap(self.chunk)
-        frame, view, got = self.frames[i], memoryview(buf)[:n], 0
-        check_declared([frame], [n])
-        try:
-            with _decompressor().stream_reader(frame, read_across_frames=False) as reader:
-                while got < n:
-                    step = reader.readinto(view[got:])
-                    if not step:
-                        break
-                    got += step
-                extra = reader.read(1)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"zstd frame cannot be decoded: {exc}") from None
-        if got != n or extra:
-            raise FormatError("a zstd frame decoded to the wrong number of bytes")
-        self._held[i] = buf
-        return buf[:n]
-
-    def read_into(self, lo: int, out: np.ndarray) -> None:
-        """Fill ``out`` (contiguous bytes) with the stream's bytes from ``lo`` on."""
-        at = 0
-        while at < len(out):
-            i, off = divmod(lo + at, self.chunk)
-            frame = self._frame(i)
-            m = min(len(frame) - off, len(out) - at)
-            out[at : at + m] = frame[off : off + m]
-            at += m
-
-    def planes_into(self, n: int, lo: int, planes: np.ndarray) -> None:
-        """Words ``lo:lo + m`` of a stream of the byte planes of ``n`` words, as their own
-        byte planes: ``planes`` is ``(width, m)``, contiguous."""
-        self.keep = max(self.keep, 2 * planes.shape[0] + 2)  # see join_into
-        for k in range(planes.shape[0]):
-            self.read_into(k * n + lo, planes[k])
-
-    def join_into(self, n: int, lo: int, rows: np.ndarray, mode: int = 0) -> None:
-        """Words ``lo:lo + len(rows)`` of a stream of the byte planes of ``n`` words joined
-        into ``rows`` (``native_words``) straight from the decompressed frames, stored or, with
-        a ``mode`` of ``_planes.c``, applied to them as a residual."""
-        m, width = rows.shape
-        # The two frames each plane's part may span stay held for the next slice, which
-        # starts in the second: each frame is decompressed once.
-        self.keep = max(self.keep, 2 * width + 2)
-        # Cut where any plane's part crosses into its next frame: between two cuts every
-        # plane's part lies in one frame, and the words are joined from the frames in place.
-        cuts = {lo, lo + m}
-        for k in range(width):
-            first = -(-(k * n + lo + 1) // self.chunk) * self.chunk - k * n
-            cuts.update(range(first, lo + m, self.chunk))
-        edges = sorted(cuts)
-        for a, b in zip(edges, edges[1:]):
-            parts = []
-            for k in range(width):
-                i, off = divmod(k * n + a, self.chunk)
-                parts.append(self._frame(i)[off : off + b - a])
-            native.join(parts, width, rows[a - lo : b - lo], mode)
-
-    def words_into(self, n: int, lo: int, rows: np.ndarray) -> None:
-        """Words ``lo:lo + len(rows)`` of a stream of the byte planes of ``n`` words into
-        ``rows`` (their bytes, one row per word)."""
-        m, width = rows.shape
-        if width == 1:
-            self.read_into(lo, rows.reshape(-1))
-        elif native_words(rows):
-            self.join_into(n, lo, rows)
-        else:
-            planes = heap.in_heap(m * width).reshape(width, m)
-            self.planes_into(n, lo, planes)
-            join(planes, rows)

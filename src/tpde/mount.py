@@ -11,7 +11,6 @@ Triton kernels do the rest (``tpde.kernels.backend``). Nothing is ever written t
 
 from __future__ import annotations
 
-import bisect
 import functools
 import threading
 import time
@@ -27,7 +26,7 @@ from . import entry as entries
 from .chain import Chain, span_places, span_words
 from .chain import sharded
 from .errors import CorruptionError, TPDEError
-from .store import Store
+from .resident import ResidentStore
 
 @dataclass(frozen=True)
 class _Slot:
@@ -74,38 +73,6 @@ def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
         if isinstance(model.get_submodule(name), units):
             return name
     return owner
-
-
-class _ResidentStore:
-    """Serves a chain's reads of the mounted records from compressed bytes held in memory:
-    whole sections, or parts of them (a streamed decode reads frame by frame)."""
-
-    whole_blob_reads = False
-
-    def __init__(self, store: Store, held: dict[str, dict[tuple[int, int], bytes]]) -> None:
-        self._store, self._held = store, held
-        self._starts = {blob: sorted(ranges) for blob, ranges in held.items()}
-
-    def _part(self, rel: str, a: int, b: int) -> memoryview | None:
-        starts = self._starts.get(rel, [])
-        i = bisect.bisect_right(starts, (a, float("inf"))) - 1
-        if i < 0 or starts[i][1] < b:
-            return None
-        a0 = starts[i][0]
-        return memoryview(self._held[rel][starts[i]])[a - a0 : b - a0]
-
-    def read_range(self, rel: str, a: int, b: int) -> Any:
-        part = self._part(rel, a, b)
-        return part if part is not None else self._store.read_range(rel, a, b)
-
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[Any]:
-        parts = [self._part(rel, a, b) for a, b in ranges]
-        if all(p is not None for p in parts):
-            return parts
-        return self._store.read_ranges(rel, ranges)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
 
 
 @dataclass
@@ -252,7 +219,7 @@ class Mount:
                 raise CorruptionError(f"blob {blob} is missing", run=self.chain.url,
                                       step=steps[blob]) from None
             self.stats.held_compressed_bytes += sum(b - a for a, b in order)
-        self.chain.store = _ResidentStore(self.chain.store, held)
+        self.chain.store = ResidentStore(self.chain.store, held)
 
     def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
         """``_decode`` on the worker thread: on the side stream, done when it returns."""

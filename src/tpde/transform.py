@@ -15,7 +15,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import frames, heap
+from . import frames, heap, unframe
 from .errors import FormatError
 
 RESIDUALS = ("xor", "sub")
@@ -64,12 +64,12 @@ def _holds(out: torch.Tensor | None, nbytes: int, word_dtype: torch.dtype) -> bo
         and out.numel() * out.element_size() == nbytes
 
 
-def stream_words(stream: frames.Frames | frames.Framed, word_dtype: torch.dtype,
+def stream_words(stream: unframe.Frames | unframe.Framed, word_dtype: torch.dtype,
                  threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The words of a shuffled stream, each slice's words joined in cache from its part of
-    every plane, with no copy of the planes beside them (``frames.unshuffle_into``): frames
+    every plane, with no copy of the planes beside them (``unframe.unshuffle_into``): frames
     held in memory (the restore path's keyframe values and small dense residuals) on the frame
-    threads, a ``frames.Framed`` (a memory-first decode) on this thread, into the heap
+    threads, a ``unframe.Framed`` (a memory-first decode) on this thread, into the heap
     (``heap.in_heap``). ``out`` (host words of the right size) receives them instead of a new
     buffer."""
     width = torch.empty(0, dtype=word_dtype).element_size()
@@ -79,20 +79,20 @@ def stream_words(stream: frames.Frames | frames.Framed, word_dtype: torch.dtype,
         return torch.empty(0, dtype=word_dtype)
     words = out if _holds(out, stream.raw, word_dtype) else \
         torch.from_numpy(heap.in_heap(stream.raw)).view(word_dtype) \
-        if isinstance(stream, frames.Framed) else \
+        if isinstance(stream, unframe.Framed) else \
         torch.empty(stream.raw // width, dtype=word_dtype)
-    frames.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
+    unframe.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
                           threads=threads)
     return words
 
 
-def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how: str,
+def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, how: str,
                    kind: str, threads: int | None = None) -> torch.Tensor:
     """``apply_residual`` in place with the residual read from its frames a slice at a time:
     beside ``ref`` a decode holds one slice and the few frames under it, per thread.
 
-    ``frames.Frames`` (held in memory) are shared out in runs of slices over ``threads`` frame
-    threads, each reading them through a ``frames.Framed`` of its own. That is how a restore
+    ``unframe.Frames`` (held in memory) are shared out in runs of slices over ``threads`` frame
+    threads, each reading them through a ``unframe.Framed`` of its own. That is how a restore
     applies a dense delta: no residual as large as the tensor is allocated and filled first
     (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
     fp32 delta: ``benchmarks/README.md``). With ``tpde._planes`` a slice's residual words are
@@ -105,18 +105,18 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
                           f"expected")
     mode = residual_mode(how, kind)
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
-    if isinstance(stream, frames.Frames) and stream.raw <= frames.WHOLE_BYTES:
-        parts = frames.whole(stream)
+    if isinstance(stream, unframe.Frames) and stream.raw <= unframe.WHOLE_BYTES:
+        parts = unframe.whole(stream)
         if fused:
-            frames.join_whole(parts, fused[0], mode)
+            unframe.join_whole(parts, fused[0], mode)
         else:
             r = torch.empty_like(ref)
-            frames.join_whole(parts, r.view(torch.uint8).numpy().reshape(n, width))
+            unframe.join_whole(parts, r.view(torch.uint8).numpy().reshape(n, width))
             apply_residual(ref, r, how, kind, inplace=True)
         return ref
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
-    def work(framed: frames.Framed, starts: Iterable[int]) -> None:
+    def work(framed: unframe.Framed, starts: Iterable[int]) -> None:
         # Without _planes, no allocation per slice: the residual's planes, its words and the
         # temporaries reuse three buffers.
         scratch = None if fused else heap.in_heap(3 * min(per, n) * width)
@@ -129,10 +129,10 @@ def apply_streamed(ref: torch.Tensor, stream: frames.Framed | frames.Frames, how
             framed.planes_into(n, lo, planes)
             r, tmp = (torch.from_numpy(scratch[b * m * width : (b + 1) * m * width])
                       .view(ref.dtype) for b in (1, 2))
-            frames.join(planes, r.view(torch.uint8).numpy().reshape(m, width))
+            unframe.join(planes, r.view(torch.uint8).numpy().reshape(m, width))
             apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
 
-    frames.by_slices(stream, n, work, threads=threads)
+    unframe.by_slices(stream, n, work, threads=threads)
     return ref
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import elias, entry, frames, manifest
+from tpde import elias, entry, frames, manifest, unframe
 from tpde.chain import Chain
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
@@ -141,7 +141,7 @@ class Targets:
         fr = [bytes(f) for f in self.section.frames]
         i = rng.randrange(len(fr))
         fr[i] = mutate(fr[i], rng)
-        frames.decompress(fr, self.section.raw, self.section.chunk)
+        unframe.decompress(fr, self.section.raw, self.section.chunk)
 
     def entry(self, rng: random.Random) -> None:
         entry.parse(mutate(self.entry_bytes, rng), "fuzzed entry")

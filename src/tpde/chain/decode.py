@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import decoder, dtypes, frame_threads, frames
+from .. import decoder, dtypes, frame_threads, unframe
 from ..errors import CorruptionError, TPDEError
 from ..manifest import Record, hash_matches
 from .plan import batches
@@ -66,20 +66,20 @@ def in_runs(run: Callable[..., Iterable[Any]], fn: Callable[..., Any], jobs: lis
 def decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dict[str, Any]:
     """The record's sections made ready for its decode. ``mode``: ``"fused"`` leaves the
     values of keyframe and dense records as frames that the decode decompresses straight into
-    their words (``frames.Frames``); ``"stream"`` leaves them as frames decompressed as the
-    decode reaches them, through a few reused buffers (``frames.Framed``: memory first), but
-    for streams of up to ``frames.WHOLE_BYTES``, fewer bytes than those buffers, which it
+    their words (``unframe.Frames``); ``"stream"`` leaves them as frames decompressed as the
+    decode reaches them, through a few reused buffers (``unframe.Framed``: memory first), but
+    for streams of up to ``unframe.WHOLE_BYTES``, fewer bytes than those buffers, which it
     leaves as ``"fused"`` does;
     ``"gpu"`` leaves every record's values to nvCOMP; ``"host"`` decompresses everything here.
     """
     out: dict[str, Any] = {}
     for (name, s), fr in zip(r.sections.items(), framed.values()):
         if name != "values" or mode == "host" or (mode != "gpu" and r.codec not in STREAMED):
-            out[name] = frames.decompress(fr, s.raw, s.chunk)
-        elif mode == "fused" or mode == "stream" and s.raw <= frames.WHOLE_BYTES:
-            out[name] = frames.Frames(fr, s.raw, s.chunk)
+            out[name] = unframe.decompress(fr, s.raw, s.chunk)
+        elif mode == "fused" or mode == "stream" and s.raw <= unframe.WHOLE_BYTES:
+            out[name] = unframe.Frames(fr, s.raw, s.chunk)
         elif mode == "stream":
-            out[name] = frames.Framed(fr, s.raw, s.chunk)
+            out[name] = unframe.Framed(fr, s.raw, s.chunk)
     return out
 
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 import zstandard
 
-from .. import codec, dtypes, frames, quant, transform
+from .. import codec, dtypes, quant, transform, unframe
 from ..errors import FormatError
 from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
                     PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record,
@@ -312,7 +312,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
                               tensor=rec.name)
         limit = expected[name] * dt.word_bytes if expected[name] is not None \
             else 64 + 32 * (rec.count if name == "positions" else expected["exact"])
-        frames.check_table(sec.raw, sec.chunk, sec.frames, limit=limit)
+        unframe.check_table(sec.raw, sec.chunk, sec.frames, limit=limit)
         if expected[name] is not None and sec.raw != limit:
             raise FormatError(f"section {name!r} holds {sec.raw} bytes, expected {limit}",
                               tensor=rec.name)
