@@ -39,19 +39,43 @@
 #define WORDS_ARE_LITTLE 0
 #endif
 
+/* The word loops are inlined into one entry per job (take_words, join_words, ...). Where GCC
+ * can build a function for several instruction sets and pick one as the module loads
+ * (target_clones; GCC 12 on, x86-64 with glibc), each entry is built for x86-64-v4 (AVX-512),
+ * x86-64-v3 (AVX2) and the baseline (SSE2), so that a build for any x86-64 runs the widest
+ * vectors the CPU has. On the loops alone here (benchmarks/README.md, "Eighteenth round"),
+ * baseline against the clone chosen: fp32 words joined from their planes 15-17 against 24-26
+ * GB/s, a residual split into its planes 6-8 against 10-12, a plane taken from words 5.7-6.0
+ * against 8.0 (benchmarks/planes_bench.py, which builds both; TPDE_ONE_TARGET leaves the
+ * clones out). */
+#if defined(__GNUC__)
+#define LOOP static inline __attribute__((always_inline))
+#else
+#define LOOP static inline
+#endif
+#if defined(__GNUC__) && __GNUC__ >= 12 && !defined(__clang__) && defined(__x86_64__) && \
+    defined(__GLIBC__) && defined(__has_attribute) && !defined(TPDE_ONE_TARGET)
+#if __has_attribute(target_clones)
+#define WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+#endif
+#ifndef WIDE
+#define WIDE
+#endif
+
 enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3 };
 enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when split into planes */
 
 #define WORDS(T, S, W)                                                                      \
-    static void take_##W(const unsigned char *rows, int k, Py_ssize_t m, unsigned char *out) { \
+    LOOP void take_##W(const unsigned char *rows, int k, Py_ssize_t m, unsigned char *out) { \
         const T *w = (const T *)rows;                                                       \
         const int s = 8 * k;                                                                \
         for (Py_ssize_t j = 0; j < m; j++) out[j] = (unsigned char)(w[j] >> s);             \
     }                                                                                       \
-    static inline T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }  \
-    static inline T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); }    \
-    static inline T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); }             \
-    static inline T applied_##W(T w, T r, int mode) {                                       \
+    LOOP T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }  \
+    LOOP T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); }    \
+    LOOP T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); }             \
+    LOOP T applied_##W(T w, T r, int mode) {                                       \
         switch (mode) {                                                                     \
         case STORE: return r;                                                               \
         case XOR: return w ^ r;                                                             \
@@ -63,13 +87,13 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * is written in one pass (a plane at a time, every store would read and write back the \
      * words' cache lines once per plane), and a residual is applied in the same pass. One \
      * loop per mode (the mode is a constant in each), so that it is not tested per word. */ \
-    static inline T joined_##W(const unsigned char *const *planes, Py_ssize_t m,            \
+    LOOP T joined_##W(const unsigned char *const *planes, Py_ssize_t m,            \
                                Py_ssize_t j) {                                              \
         T v = 0;                                                                            \
         for (int k = W - 1; k >= 0; k--) v = (T)((v << 8) | planes[k][j]);                  \
         return v;                                                                           \
     }                                                                                       \
-    static void join_##W(const unsigned char *const *planes, Py_ssize_t m, unsigned char *rows, \
+    LOOP void join_##W(const unsigned char *const *planes, Py_ssize_t m, unsigned char *rows, \
                          int mode) {                                                        \
         T *w = (T *)rows;                                                                   \
         Py_ssize_t j;                                                                       \
@@ -83,7 +107,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
             for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_INT); \
         }                                                                                   \
     }                                                                                       \
-    static void apply_##W(const unsigned char *residual, Py_ssize_t m, unsigned char *rows, \
+    LOOP void apply_##W(const unsigned char *residual, Py_ssize_t m, unsigned char *rows, \
                           int mode) {                                                       \
         T *w = (T *)rows;                                                                   \
         const T *r = (const T *)residual;                                                   \
@@ -96,7 +120,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
     }                                                                                       \
     /* Counted in blocks, with a counter as wide as the words (the widest a vector unit adds \
      * without widening): a block is at most the counter's largest value. */               \
-    static Py_ssize_t count_##W(const unsigned char *new_, const unsigned char *ref_,       \
+    LOOP Py_ssize_t count_##W(const unsigned char *new_, const unsigned char *ref_,       \
                                 Py_ssize_t m) {                                             \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         const Py_ssize_t most = sizeof(T) >= 4 ? (Py_ssize_t)1 << 30 : (Py_ssize_t)(T)~(T)0; \
@@ -113,7 +137,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * one pass over new and ref: the residual is worked out a block at a time on the stack \
      * first (each loop vectorizes on its own: fused, a 64 MiB sub residual took 20 ms     \
      * against 10.5). */                                                                   \
-    static void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {  \
+    LOOP void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {  \
         for (Py_ssize_t j = 0; j < m; j++)                                                  \
             for (int k = 0; k < W; k++) out[k * cap + j] = (unsigned char)(w[j] >> (8 * k)); \
     }                                                                                       \
@@ -124,7 +148,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * where it changed). With `planes`, the changed words' XOR residual goes to its byte   \
      * planes too (plane k at planes + k * room), in the same pass: a sparse coding's values \
      * without gathering the changed words of both first. At most `room` are found. */    \
-    static Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,       \
+    LOOP Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,       \
                                 Py_ssize_t m, int64_t *out, Py_ssize_t room,                \
                                 unsigned char *planes) {                                    \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
@@ -155,9 +179,9 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         }                                                                                   \
         return c;                                                                           \
     }                                                                                       \
-    static void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
+    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                          unsigned char *out, int mode);                                     \
-    static void split_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
+    LOOP void split_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                           unsigned char *out, Py_ssize_t cap, int mode) {                   \
         T block[SPLIT_BLOCK];                                                               \
         for (Py_ssize_t lo = 0; lo < m; lo += SPLIT_BLOCK) {                                \
@@ -166,7 +190,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
             spread_##W(block, n, out + lo, cap);                                            \
         }                                                                                   \
     }                                                                                       \
-    static void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
+    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                          unsigned char *out, int mode) {                                    \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         T *o = (T *)out;                                                                    \
@@ -190,6 +214,52 @@ WORDS(uint64_t, int64_t, 8)
     case 4: call(4); break;                                                                 \
     default: call(8);                                                                       \
     }
+
+WIDE static void take_words(int width, const unsigned char *r, int k, Py_ssize_t m,
+                            unsigned char *o) {
+#define TAKE(W) take_##W(r, k, m, o)
+    BY_WIDTH(width, TAKE)
+}
+
+WIDE static void join_words(int width, const unsigned char *const *p, Py_ssize_t m,
+                            unsigned char *r, int mode) {
+#define JOIN(W) join_##W(p, m, r, mode)
+    BY_WIDTH(width, JOIN)
+}
+
+WIDE static void apply_words(int width, const unsigned char *p, Py_ssize_t m, unsigned char *r,
+                             int mode) {
+#define APPLY(W) apply_##W(p, m, r, mode)
+    BY_WIDTH(width, APPLY)
+}
+
+WIDE static void split_words(int width, const unsigned char *pa, const unsigned char *pb,
+                             Py_ssize_t m, unsigned char *o, Py_ssize_t cap, int mode) {
+#define SPLIT(W) split_##W(pa, pb, m, o, cap, mode)
+    BY_WIDTH(width, SPLIT)
+}
+
+WIDE static void diff_words(int width, const unsigned char *pa, const unsigned char *pb,
+                            Py_ssize_t m, unsigned char *o, int mode) {
+#define DIFF(W) diff_##W(pa, pb, m, o, mode)
+    BY_WIDTH(width, DIFF)
+}
+
+WIDE static Py_ssize_t count_words(int width, const unsigned char *pa, const unsigned char *pb,
+                                   Py_ssize_t m) {
+    Py_ssize_t c;
+#define COUNT(W) c = count_##W(pa, pb, m)
+    BY_WIDTH(width, COUNT)
+    return c;
+}
+
+WIDE static Py_ssize_t where_words(int width, const unsigned char *pa, const unsigned char *pb,
+                                   Py_ssize_t m, int64_t *o, Py_ssize_t room, unsigned char *p) {
+    Py_ssize_t c;
+#define WHERE(W) c = where_##W(pa, pb, m, o, room, p)
+    BY_WIDTH(width, WHERE)
+    return c;
+}
 
 static int words_fit(const void *p, int width) {
     return width == 1 || (WORDS_ARE_LITTLE && (width == 2 || width == 4 || width == 8) &&
@@ -226,8 +296,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
         Py_ssize_t m = out.len;
         RELEASE_FOR(m * width)
         if (words_fit(r, width)) {
-#define TAKE(W) take_##W(r, k, m, o)
-            BY_WIDTH(width, TAKE)
+            take_words(width, r, k, m, o);
         } else {  /* a byte loop: unaligned words, or another width */
             for (Py_ssize_t j = 0; j < m; j++) o[j] = r[j * width + k];
         }
@@ -270,8 +339,7 @@ static PyObject *join(PyObject *self, PyObject *args) {
     if (!bad) {
         unsigned char *r = (unsigned char *)rows.buf;
         RELEASE_FOR(rows.len)
-#define JOIN(W) join_##W(p, m, r, mode)
-        BY_WIDTH(width, JOIN)
+        join_words(width, p, m, r, mode);
         RELEASED_END
     }
     for (int k = 0; k < got; k++) PyBuffer_Release(&parts[k]);
@@ -291,8 +359,7 @@ static PyObject *apply(PyObject *self, PyObject *args) {
         unsigned char *r = (unsigned char *)rows.buf;
         Py_ssize_t m = rows.len / width;
         RELEASE_FOR(rows.len)
-#define APPLY(W) apply_##W(p, m, r, mode)
-        BY_WIDTH(width, APPLY)
+        apply_words(width, p, m, r, mode);
         RELEASED_END
     }
     PyBuffer_Release(&residual);
@@ -320,11 +387,9 @@ static PyObject *diff(PyObject *self, PyObject *args) {
         unsigned char *o = (unsigned char *)out.buf;
         RELEASE_FOR(a.len)
         if (cap) {
-#define SPLIT(W) split_##W(pa, pb, m, o, cap, mode)
-            BY_WIDTH(width, SPLIT)
+            split_words(width, pa, pb, m, o, cap, mode);
         } else {
-#define DIFF(W) diff_##W(pa, pb, m, o, mode)
-            BY_WIDTH(width, DIFF)
+            diff_words(width, pa, pb, m, o, mode);
         }
         RELEASED_END
     }
@@ -365,11 +430,9 @@ static PyObject *changed(PyObject *self, PyObject *args) {
         Py_ssize_t room = out.len / 8;
         RELEASE_FOR(b.len)
         if (where == Py_None) {
-#define COUNT(W) c = count_##W(pa, pb, m)
-            BY_WIDTH(width, COUNT)
+            c = count_words(width, pa, pb, m);
         } else {
-#define WHERE(W) c = where_##W(pa, pb, m, o, room, p)
-            BY_WIDTH(width, WHERE)
+            c = where_words(width, pa, pb, m, o, room, p);
         }
         RELEASED_END
         if (c < 0) bad = fail("more words changed than there is room for");
