@@ -104,10 +104,11 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     one pass (3-10% faster than made whole and gathered frame by frame, from 4K to 1.5M fp32
     words). The frames are those ``compress`` makes of the shuffled stream.
 
-    The words themselves (a keyframe) are gathered frame by frame, plane by plane: a frame's
-    words are read from memory straight into the cache where they are compressed
-    (``_columns``' slice of every plane of 256K fp32 words does not fit one core's L2 here: a
-    64 MiB keyframe piece took 25 ms that way, 22 gathered).
+    The words themselves (a keyframe) are gathered frame by frame, one plane at a time, into
+    the cache where they are compressed (``_columns``' slice of every plane of 256K fp32 words
+    does not fit one core's L2 here: a 64 MiB keyframe piece took 25 ms that way, 22
+    gathered), and the frames of one range of words follow each other, so that only the first
+    reads the words from memory.
     """
     n, width = rows.shape
     raw = n * width
@@ -124,11 +125,16 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
         return compress(planes, level=level, chunk=chunk, threads=threads)
     starts = range(0, raw, chunk)
     out: list[bytes] = [b""] * len(starts)
+    # Word by word, not plane by plane: each range of words is gathered for all its planes'
+    # frames in turn, read from memory once and then from the cache (a 32 MB piece compressed
+    # 8-15% faster on one and two threads than its planes' frames in stream order).
+    order = range(len(starts)) if width == 1 else \
+        sorted(range(len(starts)), key=lambda j: (starts[j] % n, starts[j] // n))
 
     def work(mine: Iterable[int]) -> None:
         cctx = _compressor(level, chunk)
         buf = np.empty(min(chunk, raw), dtype=np.uint8)
-        for j in mine:
+        for j in (order[x] for x in mine):
             size, at = min(chunk, raw - starts[j]), 0
             if width == 1:  # one plane: the frame is a slice of the caller's buffer, no copy
                 out[j] = cctx.compress(rows[starts[j] : starts[j] + size, 0])
