@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def measure() -> dict[str, dict[str, float]]:
         dest, split, plane = rows.copy(), np.empty(4 * m, np.uint8), np.empty(m, np.uint8)
         calls = max(3, 20_000_000 // (4 * m))
 
-        def best(fn: object) -> float:
+        def best(fn: Callable[[], object]) -> float:
             fastest = float("inf")
             for _ in range(5):
                 started = time.perf_counter()

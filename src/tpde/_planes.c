@@ -71,10 +71,10 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         const int s = 8 * k;                                                                \
         for (Py_ssize_t j = 0; j < m; j++) out[j] = (unsigned char)(w[j] >> s);             \
     }                                                                                       \
-    LOOP T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }  \
-    LOOP T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); }    \
-    LOOP T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); }             \
-    LOOP T applied_##W(T w, T r, int mode) {                                       \
+    LOOP T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }           \
+                     LOOP T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); } \
+                                    LOOP T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); } \
+                                                     LOOP T applied_##W(T w, T r, int mode) { \
         switch (mode) {                                                                     \
         case STORE: return r;                                                               \
         case XOR: return w ^ r;                                                             \
@@ -86,14 +86,14 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * is written in one pass (a plane at a time, every store would read and write back the \
      * words' cache lines once per plane), and a residual is applied in the same pass. One \
      * loop per mode (the mode is a constant in each), so that it is not tested per word. */ \
-    LOOP T joined_##W(const unsigned char *const *planes, Py_ssize_t m,            \
-                               Py_ssize_t j) {                                              \
+    LOOP T joined_##W(const unsigned char *const *planes, Py_ssize_t m,                     \
+                      Py_ssize_t j) {                                                       \
         T v = 0;                                                                            \
         for (int k = W - 1; k >= 0; k--) v = (T)((v << 8) | planes[k][j]);                  \
         return v;                                                                           \
     }                                                                                       \
     LOOP void join_##W(const unsigned char *const *planes, Py_ssize_t m, unsigned char *rows, \
-                         int mode) {                                                        \
+                       int mode) {                                                          \
         T *w = (T *)rows;                                                                   \
         Py_ssize_t j;                                                                       \
         switch (mode) {                                                                     \
@@ -106,8 +106,8 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
             for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_INT); \
         }                                                                                   \
     }                                                                                       \
-    LOOP void apply_##W(const unsigned char *residual, Py_ssize_t m, unsigned char *rows, \
-                          int mode) {                                                       \
+    LOOP void apply_##W(const unsigned char *residual, Py_ssize_t m, unsigned char *rows,   \
+                        int mode) {                                                         \
         T *w = (T *)rows;                                                                   \
         const T *r = (const T *)residual;                                                   \
         Py_ssize_t j;                                                                       \
@@ -119,8 +119,8 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
     }                                                                                       \
     /* Counted in blocks, with a counter as wide as the words (the widest a vector unit adds \
      * without widening): a block is at most the counter's largest value. */               \
-    LOOP Py_ssize_t count_##W(const unsigned char *new_, const unsigned char *ref_,       \
-                                Py_ssize_t m) {                                             \
+    LOOP Py_ssize_t count_##W(const unsigned char *new_, const unsigned char *ref_,         \
+                              Py_ssize_t m) {                                               \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         const Py_ssize_t most = sizeof(T) >= 4 ? (Py_ssize_t)1 << 30 : (Py_ssize_t)(T)~(T)0; \
         Py_ssize_t c = 0;                                                                   \
@@ -136,7 +136,7 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * one pass over new and ref: the residual is worked out a block at a time on the stack \
      * first (each loop vectorizes on its own: fused, a 64 MiB sub residual took 20 ms     \
      * against 10.5). */                                                                   \
-    LOOP void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {  \
+    LOOP void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {    \
         for (Py_ssize_t j = 0; j < m; j++)                                                  \
             for (int k = 0; k < W; k++) out[k * cap + j] = (unsigned char)(w[j] >> (8 * k)); \
     }                                                                                       \
@@ -147,9 +147,9 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
      * where it changed). With `planes`, the changed words' XOR residual goes to its byte   \
      * planes too (plane k at planes + k * room), in the same pass: a sparse coding's values \
      * without gathering the changed words of both first. At most `room` are found. */    \
-    LOOP Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,       \
-                                Py_ssize_t m, int64_t *out, Py_ssize_t room,                \
-                                unsigned char *planes) {                                    \
+    LOOP Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,         \
+                              Py_ssize_t m, int64_t *out, Py_ssize_t room,                  \
+                              unsigned char *planes) {                                      \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         Py_ssize_t c = 0;                                                                   \
         for (Py_ssize_t j = 0; j < m; j += 64) {                                            \
@@ -178,10 +178,10 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         }                                                                                   \
         return c;                                                                           \
     }                                                                                       \
-    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
-                         unsigned char *out, int mode);                                     \
+    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m,  \
+                       unsigned char *out, int mode);                                       \
     LOOP void split_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
-                          unsigned char *out, Py_ssize_t cap, int mode) {                   \
+                        unsigned char *out, Py_ssize_t cap, int mode) {                     \
         T block[SPLIT_BLOCK];                                                               \
         for (Py_ssize_t lo = 0; lo < m; lo += SPLIT_BLOCK) {                                \
             const Py_ssize_t n = m - lo < SPLIT_BLOCK ? m - lo : SPLIT_BLOCK;               \
@@ -189,8 +189,8 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
             spread_##W(block, n, out + lo, cap);                                            \
         }                                                                                   \
     }                                                                                       \
-    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
-                         unsigned char *out, int mode) {                                    \
+    LOOP void diff_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m,  \
+                       unsigned char *out, int mode) {                                      \
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         T *o = (T *)out;                                                                    \
         Py_ssize_t j;                                                                       \
