@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from tpde.errors import FormatError
-from tpde.unframe import check_declared
 from tpde.frames import Section, raw_sizes
+from tpde.unframe import check_declared
 
 #: One stream to decode: its frames, its raw size and its raw chunk size.
 Stream = tuple[Sequence[bytes | memoryview], int, int]

@@ -85,9 +85,8 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     if codec == "same":
         return ref
     values = sections.get("values")
-    if codec == "dense" and not ref.is_cuda and (
-            isinstance(values, unframe.Framed)
-            or isinstance(values, unframe.Frames)):
+    if codec == "dense" and not ref.is_cuda and isinstance(values, (unframe.Framed,
+                                                                     unframe.Frames)):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
                               kind)
     r = do.words(sections, "values", word_dtype)

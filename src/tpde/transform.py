@@ -82,7 +82,7 @@ def stream_words(stream: unframe.Frames | unframe.Framed, word_dtype: torch.dtyp
         if isinstance(stream, unframe.Framed) else \
         torch.empty(stream.raw // width, dtype=word_dtype)
     unframe.unshuffle_into(stream, words.view(torch.uint8).numpy().reshape(-1, width),
-                          threads=threads)
+                           threads=threads)
     return words
 
 
