@@ -78,6 +78,55 @@ def test_the_manifest_a_writer_keeps_is_the_one_its_bytes_parse_to(tmp_path) -> 
     ck.close()
 
 
+def test_saves_and_removals_set_off_no_garbage_collection_and_leave_the_collector_on(
+        tmp_path) -> None:
+    """A save builds a record, its sections and a task for every tensor, and a removal that
+    re-bases codes steps again; the collections their containers would set off walk every
+    object of the process, so the collector waits until the call is done. It is on again
+    after, a refused save included, and stays off where the program switched it off."""
+    import gc
+
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(200)}
+    moved = {k: v + 1 for k, v in state.items()}
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    ck.save(0, state)
+    started: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(seen)
+    try:
+        # A collection at nearly every allocation, were it allowed: this save with the
+        # collector on sets off thousands.
+        gc.set_threshold(1)
+        gc.enable()
+        ck.save(1, moved)
+        assert len(started) < 50 and gc.isenabled()
+        started.clear()
+        report = ck.remove(0)  # step 1 reads from it: re-based first
+        assert report.rebased_steps == [1]
+        assert len(started) < 50 and gc.isenabled()
+        with pytest.raises(tpde.StepExistsError):
+            ck.save(1, state)
+        assert gc.isenabled()
+        gc.disable()
+        ck.save(2, state)
+        assert not gc.isenabled()
+        gc.enable()
+        started.clear()
+        tpde.tree.flatten(moved)
+        assert len(started) > 50  # a part of the same save, outside one
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        gc.enable()
+    assert torch.equal(ck.load(1)["t7"], moved["t7"])
+    ck.close()
+
+
 def test_parsing_a_manifest_sets_off_no_garbage_collection_and_leaves_the_collector_as_it_was(
         tmp_path) -> None:
     """A parse makes many short-lived containers; the collections they would set off walk

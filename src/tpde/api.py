@@ -12,7 +12,7 @@ from . import codec, dtypes, frames, quant, transform, tree
 from .heap import return_freed_memory
 from .chain import DEFAULT_KEYFRAME_EVERY, Chain, GcReport, Problem, Reference
 from .lease import DEFAULT_LEASE_SECONDS, Lease
-from .manifest import Manifest
+from .manifest import Manifest, collector_paused
 
 
 def check_reference(reference: str) -> None:
@@ -161,6 +161,7 @@ class Checkpointer:
         """Hold or renew the run's writer lease before changing anything."""
         self.lease.acquire(takeover=self._takeover and not self.lease.held)
 
+    @collector_paused()
     def save(self, step: int, state: Any) -> StepInfo:
         """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``)."""
         owned = isinstance(state, Snapshot)
@@ -226,6 +227,7 @@ class Checkpointer:
     def info(self, step: int) -> StepInfo:
         return StepInfo.of(self.chain.manifest(step))
 
+    @collector_paused()
     def remove(self, *steps: int, defer: bool = False) -> GcReport:
         """Hide ``steps`` and free their bytes: the steps that read from them are re-based
         first (rewritten to read from kept steps only), so every other step stays restorable.

@@ -20,7 +20,7 @@ import torch
 
 from .. import codec, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
-from ..manifest import Manifest, Record, format_for
+from ..manifest import Manifest, Record, collector_paused, format_for
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, name, numbered
 from .decode import in_runs, pools
 from .plan import (DEFAULT_KEYFRAME_EVERY, AtRest, Rewrite, batches, depth, plan_rebase,
@@ -40,6 +40,7 @@ class Retainer(Writer):
             raise StepNotFoundError("no such visible step to remove", run=self.url, step=step)
         self.store.put_atomic(f"{REMOVED}/{name(step)}", b"")
 
+    @collector_paused()
     def collect(self, *, keep: Iterable[int] = (), settings: codec.Settings | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, report: GcReport | None = None
                 ) -> GcReport:

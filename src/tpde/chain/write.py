@@ -15,7 +15,7 @@ import torch
 
 from .. import codec, dtypes, frame_threads, frames, quant, transform, tree
 from ..errors import StepExistsError, TPDEError
-from ..manifest import Manifest, Record, SectionRef, format_for, record_hash
+from ..manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
 from .plan import Candidate, Piece, batches, candidates, piece_starts, pieces, plan_keys
@@ -92,6 +92,7 @@ class Writer(Reader):
         self._manifests[m.step] = m
         return m
 
+    @collector_paused()
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
               settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
               max_inflight_bytes: int = 256 << 20, owned: bool = False,
