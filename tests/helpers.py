@@ -58,9 +58,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tie(t: torch.Tensor, path: str, seen: dict[int, str]) -> str | None:
-    """The first path seen with ``t``'s storage (None: its own), recording ``t``'s."""
+    """The first path seen with ``t``'s storage (None: its own), recording ``t``'s. A tensor
+    of no elements reads and writes nothing of any storage: two empty views of one are
+    restored as views of an empty span."""
     storage = t.untyped_storage()
-    if storage.nbytes() == 0 or t.device.type == "meta":
+    if t.numel() == 0 or storage.nbytes() == 0 or t.device.type == "meta":
         return None
     key = storage.data_ptr()
     if key in seen:

@@ -223,22 +223,24 @@ def _save_safetensors(state: Any, path: str) -> list[str]:
     save_file = _safetensors()
     tensors: dict[str, torch.Tensor] = {}
     dropped: list[str] = []
-
-    def walk(obj: Any, prefix: str) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors[prefix] = obj.detach().contiguous().clone()
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, f"{prefix}.{i}" if prefix else str(i))
-        else:
-            dropped.append(prefix)
-
-    walk(state, "")
+    _dotted(state, "", tensors, dropped)
     save_file(tensors, path)
     return dropped
+
+
+def _dotted(obj: Any, prefix: str, tensors: dict[str, torch.Tensor], dropped: list[str]) -> None:
+    """Copies of ``obj``'s tensors into ``tensors`` by dotted key, other keys into ``dropped``
+    (a function of the module: a closure that calls itself would hold the copies in a cycle)."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().contiguous().clone()
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _dotted(v, f"{prefix}.{k}" if prefix else str(k), tensors, dropped)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _dotted(v, f"{prefix}.{i}" if prefix else str(i), tensors, dropped)
+    else:
+        dropped.append(prefix)
 
 
 def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:

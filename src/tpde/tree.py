@@ -67,59 +67,65 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def flatten(state: Any) -> Flat:
-    """Split ``state`` into a skeleton and spans; raises nothing for unusual values."""
+    """Split ``state`` into a skeleton and spans; raises nothing for unusual values.
+
+    The walks are module functions, not closures: a closure that calls itself is a reference
+    cycle, and one that held the state's tensors kept them alive after the call, until
+    Python's collector came by (``unflatten`` held a restored state's 200 MB so)."""
     tensors: list[tuple[str, torch.Tensor]] = []
-
-    def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, torch.Tensor) and _storable(obj):
-            tensors.append((path, obj))
-            return {"$t": len(tensors) - 1}
-        if obj is None or isinstance(obj, (bool, str)):
-            return obj
-        if type(obj) is int:
-            return obj
-        if type(obj) is float:
-            return obj if math.isfinite(obj) else {"$f": repr(obj)}
-        if type(obj) is complex:
-            return {"$c": [walk(obj.real, path), walk(obj.imag, path)]}
-        if type(obj) is bytes:
-            return {"$b": base64.b64encode(obj).decode()}
-        if isinstance(obj, torch.dtype) and obj in dtypes.BY_TORCH:
-            return {"$dtype": dtypes.BY_TORCH[obj].name}
-        if type(obj) is torch.Size:
-            return {"$size": list(obj)}
-        if type(obj) is torch.device:
-            return {"$device": str(obj)}
-        if type(obj) is list:
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
-        if type(obj) is tuple:
-            return {"$tuple": [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]}
-        if type(obj) in (dict, OrderedDict):
-            items = [(k, walk(v, f"{path}/{_escape(str(k))}")) for k, v in obj.items()]
-            if type(obj) is dict and all(type(k) is str and not k.startswith("$") for k, _ in items):
-                return dict(items)
-            out: dict[str, Any] = {"$dict": [[walk(k, path), v] for k, v in items]}
-            if type(obj) is OrderedDict:
-                out["ordered"] = True
-                meta = getattr(obj, "_metadata", None)
-                if meta is not None:
-                    out["meta"] = walk(meta, f"{path}/_metadata")
-            return out
-        return {"$pickle": _pickle(obj, path)}
-
-    skeleton = walk(state, "")
+    skeleton = _walk(state, "", tensors)
     spans, views = _group(tensors)
+    return Flat(_fill(skeleton, views), spans)
 
-    def fill(node: Any) -> Any:
-        if isinstance(node, dict):
-            if set(node) == {"$t"}:
-                return views[node["$t"]]
-            return {k: fill(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [fill(v) for v in node]
-        return node
 
-    return Flat(fill(skeleton), spans)
+def _walk(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    """``obj``'s skeleton; its storable tensors go to ``tensors``."""
+    if isinstance(obj, torch.Tensor) and _storable(obj):
+        tensors.append((path, obj))
+        return {"$t": len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if type(obj) is int:
+        return obj
+    if type(obj) is float:
+        return obj if math.isfinite(obj) else {"$f": repr(obj)}
+    if type(obj) is complex:
+        return {"$c": [_walk(obj.real, path, tensors), _walk(obj.imag, path, tensors)]}
+    if type(obj) is bytes:
+        return {"$b": base64.b64encode(obj).decode()}
+    if isinstance(obj, torch.dtype) and obj in dtypes.BY_TORCH:
+        return {"$dtype": dtypes.BY_TORCH[obj].name}
+    if type(obj) is torch.Size:
+        return {"$size": list(obj)}
+    if type(obj) is torch.device:
+        return {"$device": str(obj)}
+    if type(obj) is list:
+        return [_walk(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+    if type(obj) is tuple:
+        return {"$tuple": [_walk(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+    if type(obj) in (dict, OrderedDict):
+        items = [(k, _walk(v, f"{path}/{_escape(str(k))}", tensors)) for k, v in obj.items()]
+        if type(obj) is dict and all(type(k) is str and not k.startswith("$") for k, _ in items):
+            return dict(items)
+        out: dict[str, Any] = {"$dict": [[_walk(k, path, tensors), v] for k, v in items]}
+        if type(obj) is OrderedDict:
+            out["ordered"] = True
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                out["meta"] = _walk(meta, f"{path}/_metadata", tensors)
+        return out
+    return {"$pickle": _pickle(obj, path)}
+
+
+def _fill(node: Any, views: dict[int, dict]) -> Any:
+    """``node`` with each tensor leaf replaced by its view of a span."""
+    if isinstance(node, dict):
+        if set(node) == {"$t"}:
+            return views[node["$t"]]
+        return {k: _fill(v, views) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, views) for v in node]
+    return node
 
 
 def _pickle(obj: Any, path: str) -> str:
@@ -181,17 +187,27 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
               sharded: dict[str, Any] | None = None) -> Any:
     """Rebuild the checkpoint from its skeleton and restored span tensors (and, for a sharded
     step, the values of its ``$dcp`` items by name)."""
-    made: dict[tuple, torch.Tensor] = {}
+    return _Builder(spans, trusted, sharded).build(skeleton)
 
-    def view(node: dict[str, Any]) -> torch.Tensor:
+
+class _Builder:
+    """What ``unflatten`` builds with: methods, not closures that call themselves, whose cycle
+    kept the restored tensors alive until Python's collector came by (``flatten``)."""
+
+    def __init__(self, spans: list[torch.Tensor], trusted: bool,
+                 sharded: dict[str, Any] | None) -> None:
+        self.spans, self.trusted, self.sharded = spans, trusted, sharded
+        self.made: dict[tuple, torch.Tensor] = {}
+
+    def view(self, node: dict[str, Any]) -> torch.Tensor:
         i = node["$t"]
-        if not isinstance(i, int) or not 0 <= i < len(spans):
-            raise FormatError(f"skeleton refers to span {i!r} of {len(spans)}")
+        if not isinstance(i, int) or not 0 <= i < len(self.spans):
+            raise FormatError(f"skeleton refers to span {i!r} of {len(self.spans)}")
         key = (i, tuple(node["shape"]), tuple(node["stride"]), node["offset"],
                bool(node.get("param")), bool(node.get("grad")))
-        if key in made:
-            return made[key]
-        base = spans[i]
+        if key in self.made:
+            return self.made[key]
+        base = self.spans[i]
         try:
             t = base.as_strided(node["shape"], node["stride"], node["offset"])
             if _extent(t)[1] > base.numel() or node["offset"] < 0:
@@ -202,21 +218,21 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
             t = torch.nn.Parameter(t, requires_grad=bool(node.get("grad")))
         elif node.get("grad") and (t.is_floating_point() or t.is_complex()):
             t.requires_grad_(True)
-        made[key] = t
+        self.made[key] = t
         return t
 
-    def build(node: Any) -> Any:
+    def build(self, node: Any) -> Any:
         if isinstance(node, list):
-            return [build(v) for v in node]
+            return [self.build(v) for v in node]
         if not isinstance(node, dict):
             return node
         if "$t" in node:
-            return view(node)
+            return self.view(node)
         if "$dcp" in node:
-            if sharded is None or node["$dcp"] not in sharded:
+            if self.sharded is None or node["$dcp"] not in self.sharded:
                 raise FormatError(f"skeleton names DCP item {node['$dcp']!r}, which the step "
                                   "does not hold")
-            return sharded[node["$dcp"]]
+            return self.sharded[node["$dcp"]]
         if "$f" in node:
             return float(node["$f"])
         if "$c" in node:
@@ -230,20 +246,18 @@ def unflatten(skeleton: Any, spans: list[torch.Tensor], *, trusted: bool = False
         if "$device" in node:
             return torch.device(node["$device"])
         if "$tuple" in node:
-            return tuple(build(v) for v in node["$tuple"])
+            return tuple(self.build(v) for v in node["$tuple"])
         if "$dict" in node:
-            pairs = [(_hashable(build(k)), build(v)) for k, v in node["$dict"]]
+            pairs = [(_hashable(self.build(k)), self.build(v)) for k, v in node["$dict"]]
             if not node.get("ordered"):
                 return dict(pairs)
             od = OrderedDict(pairs)
             if "meta" in node:
-                od._metadata = build(node["meta"])  # type: ignore[attr-defined]
+                od._metadata = self.build(node["meta"])  # type: ignore[attr-defined]
             return od
         if "$pickle" in node:
-            return _unpickle(node["$pickle"], trusted)
-        return {k: build(v) for k, v in node.items()}
-
-    return build(skeleton)
+            return _unpickle(node["$pickle"], self.trusted)
+        return {k: self.build(v) for k, v in node.items()}
 
 
 def keys(skeleton: Any) -> list[Any]:
