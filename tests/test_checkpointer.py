@@ -78,12 +78,13 @@ def test_the_manifest_a_writer_keeps_is_the_one_its_bytes_parse_to(tmp_path) -> 
     ck.close()
 
 
-def test_saves_and_removals_set_off_no_garbage_collection_and_leave_the_collector_on(
+def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the_collector_on(
         tmp_path) -> None:
-    """A save builds a record, its sections and a task for every tensor, and a removal that
-    re-bases codes steps again; the collections their containers would set off walk every
-    object of the process, so the collector waits until the call is done. It is on again
-    after, a refused save included, and stays off where the program switched it off."""
+    """A save builds a record, its sections and a task for every tensor, a restore as many,
+    and a removal that re-bases codes steps again; the collections their containers would set
+    off walk every object of the process, so the collector waits until the call is done. It
+    is on again after, a refused save included, and stays off where the program switched it
+    off."""
     import gc
 
     state = {f"t{i}": torch.full((64,), float(i)) for i in range(200)}
@@ -104,6 +105,9 @@ def test_saves_and_removals_set_off_no_garbage_collection_and_leave_the_collecto
         gc.set_threshold(1)
         gc.enable()
         ck.save(1, moved)
+        assert len(started) < 50 and gc.isenabled()
+        started.clear()
+        assert torch.equal(ck.load(1)["t7"], moved["t7"])
         assert len(started) < 50 and gc.isenabled()
         started.clear()
         report = ck.remove(0)  # step 1 reads from it: re-based first

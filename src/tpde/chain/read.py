@@ -323,6 +323,7 @@ class Reader(ChainBase):
             out[i] = pos
         return out
 
+    @collector_paused()
     def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,
              progress: Progress | None = None, keep_words: bool = True,
              within: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:

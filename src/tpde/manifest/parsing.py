@@ -47,16 +47,18 @@ def plain(data: bytes, *, step: int | None = None) -> bytes:
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off, and left as it was found: around a parse,
     around a restore's walk through its tensors' lineages, which builds the records it uses
-    (``Records``), and around a save and a removal (their records, sections and tasks).
+    (``Records``), and around a whole save, restore and removal (their records, sections and
+    tasks).
 
     A parse makes about a thousand containers (the JSON's dicts and lists), and they set off
     collections: 58 per restore of E's latest step (23 manifests), and a full one, which walks
     torch's 200k objects (42-70 ms), every 2.5 restores. Held off: 16 per restore, a full one
     every 7.5 (``benchmarks/README.md``, sixteenth round). Records built as the walk asks for
     them, outside any pause, set off 2.1 times as many collections again, and a full one every
-    3.3 restores (seventeenth round). Six saves of ``compare.py``'s A chain (209 tensors a
-    step) set off 30 collections, 19 ms of collecting; held off, 6 and 2 ms (nineteenth
-    round)."""
+    3.3 restores (seventeenth round). Held off for the whole call (nineteenth round): six saves
+    of ``compare.py``'s A chain (209 tensors a step) set off 6 collections instead of 30 (2 ms
+    of collecting instead of 19), and 20 restores of E's latest step 1 instead of 84-86 (2-6
+    ms instead of 181-205)."""
     if not gc.isenabled():  # switched off by the program, or by an enclosing pause
         yield
         return
