@@ -48,7 +48,9 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off, and left as it was found: around a parse,
     around a restore's walk through its tensors' lineages, which builds the records it uses
     (``Records``), and around a whole save, restore and removal (their records, sections and
-    tasks).
+    tasks). The collector is the process's: a save on a background thread holds it off for
+    the training thread too, while the save lasts, and the collections it spares would have
+    held the GIL the training thread waits for.
 
     A parse makes about a thousand containers (the JSON's dicts and lists), and they set off
     collections: 58 per restore of E's latest step (23 manifests), and a full one, which walks
