@@ -97,7 +97,7 @@ def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the
         if phase == "start":
             started.append(info["generation"])
 
-    threshold = gc.get_threshold()
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
     gc.callbacks.append(seen)
     try:
         # A collection at nearly every allocation, were it allowed: this save with the
@@ -126,7 +126,7 @@ def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the
     finally:
         gc.callbacks.remove(seen)
         gc.set_threshold(*threshold)
-        gc.enable()
+        (gc.enable if enabled else gc.disable)()
     assert torch.equal(ck.load(1)["t7"], moved["t7"])
     ck.close()
 
