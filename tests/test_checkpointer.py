@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import glob
 import itertools
 import json
 import os
 import threading
 from collections import OrderedDict
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +25,29 @@ from helpers import assert_same, decode_depths
 from tpde import store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
+
+
+@contextlib.contextmanager
+def collections_counted() -> Iterator[list[int]]:
+    """The generations of the collections set off inside the block, where the collector would
+    run at nearly every allocation (threshold 1, switched on); its threshold and state are as
+    they were after."""
+    started: list[int] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        gc.set_threshold(1)
+        gc.enable()
+        yield started
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        (gc.enable if enabled else gc.disable)()
 
 
 def odd_state() -> dict:
@@ -85,25 +111,12 @@ def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the
     off walk every object of the process, so the collector waits until the call is done. It
     is on again after, a refused save included, and stays off where the program switched it
     off."""
-    import gc
-
     state = {f"t{i}": torch.full((64,), float(i)) for i in range(200)}
     moved = {k: v + 1 for k, v in state.items()}
     ck = tpde.Checkpointer(str(tmp_path / "r"))
     ck.save(0, state)
-    started: list[int] = []
-
-    def seen(phase: str, info: dict) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    threshold, enabled = gc.get_threshold(), gc.isenabled()
-    gc.callbacks.append(seen)
-    try:
-        # A collection at nearly every allocation, were it allowed: this save with the
-        # collector on sets off thousands.
-        gc.set_threshold(1)
-        gc.enable()
+    # This save with the collector on sets off thousands.
+    with collections_counted() as started:
         ck.save(1, moved)
         assert len(started) < 50 and gc.isenabled()
         started.clear()
@@ -123,10 +136,6 @@ def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the
         started.clear()
         tpde.tree.flatten(moved)
         assert len(started) > 50  # a part of the same save, outside one
-    finally:
-        gc.callbacks.remove(seen)
-        gc.set_threshold(*threshold)
-        (gc.enable if enabled else gc.disable)()
     assert torch.equal(ck.load(1)["t7"], moved["t7"])
     ck.close()
 
@@ -135,7 +144,6 @@ def test_a_state_is_freed_as_soon_as_it_is_dropped_after_a_save_or_a_restore(tmp
     """Nothing a save or a restore leaves behind holds the state's tensors: the walks over a
     state were closures that called themselves, a reference cycle that kept a restored 200 MB
     state (or a saved one its program had dropped) in memory until Python's collector ran."""
-    import gc
     import weakref
 
     def state() -> dict:
@@ -169,8 +177,6 @@ def test_parsing_a_manifest_sets_off_no_garbage_collection_and_leaves_the_collec
     """A parse makes many short-lived containers; the collections they would set off walk
     every object of the process (torch's own included), so the collector waits until the parse
     is done. Whatever state it was in, it is in that state after, a refused manifest included."""
-    import gc
-
     run = str(tmp_path / "r")
     ck = tpde.Checkpointer(run)
     ck.save(0, {f"t{i}": torch.full((8,), float(i)) for i in range(200)})
@@ -179,20 +185,9 @@ def test_parsing_a_manifest_sets_off_no_garbage_collection_and_leaves_the_collec
     outer = json.loads(tpde.manifest.plain(data))
     outer["body"]["depth"] += 1
     damaged = json.dumps(outer).encode()
-    started: list[int] = []
-
-    def seen(phase: str, info: dict) -> None:
-        if phase == "start":
-            started.append(info["generation"])
-
-    threshold, enabled = gc.get_threshold(), gc.isenabled()
-    gc.callbacks.append(seen)
-    try:
-        # A collection at nearly every allocation, were it allowed: a parse of this manifest
-        # with the collector on sets off over a thousand; held off, it sets off only the few
-        # that follow it being switched back on.
-        gc.set_threshold(1)
-        gc.enable()
+    # A parse of this manifest with the collector on sets off over a thousand; held off, it
+    # sets off only the few that follow it being switched back on.
+    with collections_counted() as started:
         assert tpde.manifest.parse(data, step=0).step == 0
         assert len(started) < 50 and gc.isenabled()
         started.clear()
@@ -206,10 +201,6 @@ def test_parsing_a_manifest_sets_off_no_garbage_collection_and_leaves_the_collec
         started.clear()
         json.loads(tpde.manifest.plain(data))
         assert len(started) > 50  # the same containers, made outside a parse
-    finally:
-        gc.callbacks.remove(seen)
-        gc.set_threshold(*threshold)
-        (gc.enable if enabled else gc.disable)()
 
 
 def test_keys_that_print_alike_stay_distinct(tmp_path) -> None:

@@ -72,9 +72,9 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         for (Py_ssize_t j = 0; j < m; j++) out[j] = (unsigned char)(w[j] >> s);             \
     }                                                                                       \
     LOOP T order_##W(T x) { return (T)(x ^ (T)((T)((S)x >> (8 * W - 1)) >> 1)); }           \
-                     LOOP T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); } \
-                                    LOOP T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); } \
-                                                     LOOP T applied_##W(T w, T r, int mode) { \
+    LOOP T zig_##W(T d) { return (T)((T)(d << 1) ^ (T)((S)d >> (8 * W - 1))); }             \
+    LOOP T unzig_##W(T r) { return (T)((r >> 1) ^ (T)(0 - (r & 1))); }                      \
+    LOOP T applied_##W(T w, T r, int mode) {                                                \
         switch (mode) {                                                                     \
         case STORE: return r;                                                               \
         case XOR: return w ^ r;                                                             \
