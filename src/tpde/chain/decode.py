@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -59,8 +59,15 @@ def in_runs(run: Callable[..., Iterable[Any]], fn: Callable[..., Any], jobs: lis
             sizes: list[int]) -> list[Any]:
     """``fn(*job)`` of every job, in order; ``run`` (a pool's ``map``, or ``map``) gets runs of
     neighbouring jobs of up to ``TASK_BYTES`` (``sizes`` are the jobs' raw bytes)."""
-    return [out for outs in run(lambda js: [fn(*j) for j in js], batches(jobs, sizes, TASK_BYTES))
-            for out in outs]
+    return list(runs_of(run, fn, jobs, sizes))
+
+
+def runs_of(run: Callable[..., Iterable[Any]], fn: Callable[..., Any], jobs: list[tuple],
+            sizes: list[int]) -> Iterator[Any]:
+    """``in_runs``, its results taken as they are iterated: a pool's ``map`` has handed every
+    run to the pool already, and ``map`` runs each as it is reached."""
+    return (out for outs in run(lambda js: [fn(*j) for j in js], batches(jobs, sizes, TASK_BYTES))
+            for out in outs)
 
 
 def decompress(r: Record, framed: dict[str, list[memoryview]], mode: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from ..manifest import Manifest, Record, collector_paused
 from . import sharded
 from .base import ChainBase, Problem, Progress
 from .decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild, rebuild_checked,
-                     verified)
+                     runs_of, verified)
 from .plan import batches
 from .spans import span_places, span_words, warn_lossy
 
@@ -237,25 +237,56 @@ class Reader(ChainBase):
                     and not isinstance(exc, FormatError):
                 exc, at = self._trace(r.name, step, exc, at)
             fail(exc, at, r.name)
-        if units:
-            upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else None
-            for k, (at, batch) in enumerate(units):
-                prepared = upcoming.result() if upcoming is not None else prepare(units[k])
-                upcoming = ahead.submit(prepare, units[k + 1]) \
-                    if look_ahead and k + 1 < len(units) else None
-                if isinstance(prepared, TPDEError):
-                    for r, _ in batch:
-                        if r.name not in failed:
-                            fail(prepared, at, r.name)
+
+        def finish(at: int, jobs: list[tuple], rebuilt: Iterable[Any], size: int) -> None:
+            """Take one batch's rebuilt words (waiting for them), and queue their checks."""
+            finals: list[tuple[Record, torch.Tensor]] = []
+            for (r, checked, *_), done in zip(jobs, rebuilt):
+                if isinstance(done, TPDEError):
+                    refused(r, checked, done, at)
                     continue
+                current[r.name] = done
+                if backend is None and checked and later(r, at):
+                    finals.append((r, done))
+                if taken.get(r.name) == at and r.name not in passed:  # rebuilt on a device
+                    passed[r.name] = done.clone()
+                if progress:
+                    progress(r.raw_bytes)
+            if finals:
+                checks.append((at, [r for r, _ in finals], ahead.submit(
+                    lambda fs: [attempt(verified)(r, True, w) for r, w in fs], finals)))
+            if not look_ahead:
+                heap.freed(size)
+
+        # With look-ahead on the host, a batch's records are handed to the decode threads
+        # before the batch before is done, unless it rebuilds one of the same tensors: the
+        # threads that finish one batch start on the next instead of waiting for the other's
+        # last frames. Its sections are prepared once that batch is done, so that two batches
+        # are held, as before.
+        overlap = look_ahead and backend is None
+        running: tuple[tuple[int, list[tuple], Iterable[Any], int], set[str]] | None = None
+        upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else None
+        for k, (at, batch) in enumerate(units):
+            prepared = upcoming.result() if upcoming is not None else prepare(units[k])
+            upcoming = None
+            names = {r.name for r, _ in batch}
+            if running is not None and running[1] & names:
+                finish(*running[0])
+                running = None
+            if isinstance(prepared, TPDEError):
+                for r, _ in batch:
+                    if r.name not in failed:
+                        fail(prepared, at, r.name)
+                jobs: list[tuple] = []
+                rebuilt: Iterable[Any] = []
+            else:
                 jobs = [(r, checked, secs, current.get(r.name), pos, backend)
                         for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
-                if backend is None:
-                    rebuilt = in_runs(spread, attempt(partial(rebuild_checked, at=at,
-                                                                final=final, into=into,
-                                                                taken=taken, passed=passed,
-                                                                later=later)),
-                                       [(job,) for job in jobs], [j[0].raw_bytes for j in jobs])
+                if backend is None:  # on the decode threads at once (a pool's map)
+                    rebuilt = runs_of(spread, attempt(partial(
+                        rebuild_checked, at=at, final=final, into=into, taken=taken,
+                        passed=passed, later=later)), [(job,) for job in jobs],
+                        [j[0].raw_bytes for j in jobs])
                 else:
                     # Kernels are launched from this thread, one record after another (the
                     # device runs them in order either way); the hashes are computed in the pool.
@@ -263,24 +294,18 @@ class Reader(ChainBase):
                     backend.done([w for w in words if isinstance(w, torch.Tensor)])
                     rebuilt = pool.map(attempt(verified), [j[0] for j in jobs],
                                        [j[1] for j in jobs], words)
-                finals: list[tuple[Record, torch.Tensor]] = []
-                for (r, checked, *_), done in zip(jobs, rebuilt):
-                    if isinstance(done, TPDEError):
-                        refused(r, checked, done, at)
-                        continue
-                    current[r.name] = done
-                    if backend is None and checked and later(r, at):
-                        finals.append((r, done))
-                    if taken.get(r.name) == at and r.name not in passed:  # rebuilt on a device
-                        passed[r.name] = done.clone()
-                    if progress:
-                        progress(r.raw_bytes)
-                if finals:
-                    checks.append((at, [r for r, _ in finals], ahead.submit(
-                        lambda fs: [attempt(verified)(r, True, w) for r, w in fs], finals)))
-                del prepared, jobs, rebuilt, finals  # this batch's, before the next is waited on
-                if not look_ahead:
-                    heap.freed(sum(r.raw_bytes for r, _ in batch))
+            del prepared
+            size = sum(r.raw_bytes for r, _ in batch)
+            if running is not None:
+                finish(*running[0])
+            running = ((at, jobs, rebuilt, size), names)
+            if not overlap:
+                finish(*running[0])
+                running = None
+            if look_ahead and k + 1 < len(units):
+                upcoming = ahead.submit(prepare, units[k + 1])
+        if running is not None:
+            finish(*running[0])
         for at, recs, done in checks:
             for r, found in zip(recs, done.result()):
                 if isinstance(found, TPDEError):
