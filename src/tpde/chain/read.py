@@ -299,6 +299,7 @@ class Reader(ChainBase):
             if running is not None:
                 finish(*running[0])
             running = ((at, jobs, rebuilt, size), names)
+            del jobs, rebuilt  # held by ``running`` alone, and let go once it is finished
             if not overlap:
                 finish(*running[0])
                 running = None
