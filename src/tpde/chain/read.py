@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -264,14 +264,14 @@ class Reader(ChainBase):
         # last frames. Its sections are prepared once that batch is done, so that two batches
         # are held, as before.
         overlap = look_ahead and backend is None
-        running: tuple[tuple[int, list[tuple], Iterable[Any], int], set[str]] | None = None
+        running: tuple[Callable[[], None], set[str]] | None = None  # its finish, its tensors
         upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else None
         for k, (at, batch) in enumerate(units):
             prepared = upcoming.result() if upcoming is not None else prepare(units[k])
             upcoming = None
             names = {r.name for r, _ in batch}
             if running is not None and running[1] & names:
-                finish(*running[0])
+                running[0]()
                 running = None
             if isinstance(prepared, TPDEError):
                 for r, _ in batch:
@@ -297,16 +297,16 @@ class Reader(ChainBase):
             del prepared
             size = sum(r.raw_bytes for r, _ in batch)
             if running is not None:
-                finish(*running[0])
-            running = ((at, jobs, rebuilt, size), names)
+                running[0]()
+            running = (partial(finish, at, jobs, rebuilt, size), names)
             del jobs, rebuilt  # held by ``running`` alone, and let go once it is finished
             if not overlap:
-                finish(*running[0])
+                running[0]()
                 running = None
             if look_ahead and k + 1 < len(units):
                 upcoming = ahead.submit(prepare, units[k + 1])
         if running is not None:
-            finish(*running[0])
+            running[0]()
         for at, recs, done in checks:
             for r, found in zip(recs, done.result()):
                 if isinstance(found, TPDEError):
