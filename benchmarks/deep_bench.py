@@ -1,0 +1,148 @@
+"""What a restore costs by depth, and what bounds it: ``speed_bench.py``'s chain of a 200 MB
+fp32 state (a weight and an Adam-moment-like tensor, each step a small dense update of the one
+before) saved with ``keyframe_every=16``; steps 0 (the keyframe), 1, 3, 7 and 15 restored (a
+step's depth is its deepest record's: keyframes are decided per tensor piece and spread over
+steps, so some pieces of a deep step are re-keyed on the way).
+
+Beside the restores, for each of those steps: the records a restore decodes (each
+tensor piece's record and those it reads from, back to its keyframe), and what their zstd
+frames cost alone on 2 threads, copied into a reused buffer and decompressed by zstd with
+nothing unshuffled, applied or hashed: a floor for any decoder of those stored bytes.
+Restores run on a warm reader; every figure is the median of ``--repeats`` runs.
+
+    python benchmarks/deep_bench.py [--repeats 5] [--dir DIR] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+import zstandard
+
+import tpde
+from speed_bench import states
+from tpde.chain import Chain
+from tpde.manifest import Record
+
+DEPTHS = (0, 1, 3, 7, 15)
+THREADS = 2
+
+
+def median_of(repeats: int, fn: Callable[[], object]) -> float:
+    fn()  # the first run faults in the reader's pools and the page cache's pages
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def frames_of(chain: Chain, records: list[tuple[int, Record]]) -> list[memoryview]:
+    """The zstd frames of ``records``, read as a restore reads them."""
+    by_step: dict[int, list[Record]] = {}
+    for at, rec in records:
+        by_step.setdefault(at, []).append(rec)
+    out: list[memoryview] = []
+    for at, recs in by_step.items():
+        for framed in chain._fetch(chain.manifest(at), recs):
+            for frames in framed.values():
+                out.extend(frames)
+    return out
+
+
+def zstd_alone(frames: list[memoryview], pool: ThreadPoolExecutor) -> int:
+    local = threading.local()
+
+    def run(share: list[memoryview]) -> int:
+        d = getattr(local, "d", None) or zstandard.ZstdDecompressor()
+        local.d = d
+        return sum(len(d.decompress(f)) for f in share)
+
+    return sum(pool.map(run, [frames[i::THREADS] for i in range(THREADS)]))
+
+
+def copy_alone(frames: list[memoryview], pool: ThreadPoolExecutor) -> None:
+    """Each frame copied into a reused buffer: the least reading the stored bytes costs."""
+    buffers = [np.empty(max(map(len, frames)), np.uint8) for _ in range(THREADS)]
+
+    def run(i: int) -> None:
+        out = buffers[i]
+        for f in frames[i::THREADS]:
+            out[:len(f)] = np.frombuffer(f, np.uint8)
+
+    list(pool.map(run, range(THREADS)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="where the chain is written (default: $TMPDIR)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="tpde-deep-", dir=args.dir)
+    try:
+        run = os.path.join(root, "run")
+        chain_states = states(max(DEPTHS) + 1)
+        raw = sum(t.numel() * t.element_size() for t in chain_states[0].values())
+        writer = tpde.Checkpointer(run, keyframe_every=16, threads=THREADS)
+        for step, state in enumerate(chain_states):
+            writer.save(step, state)
+        writer.close()
+        del chain_states
+        chain = Chain(run)
+        assert [chain.manifest(d).depth for d in DEPTHS] == list(DEPTHS)
+        reader = tpde.Checkpointer(run, threads=THREADS)
+        restores = {d: median_of(args.repeats, lambda d=d: reader.load(d)) for d in DEPTHS}
+        floors = {}
+        with ThreadPoolExecutor(THREADS) as pool:
+            for d in DEPTHS:
+                records = [found for rec in chain.manifest(d).records
+                           for found in chain._lineage(rec.name, d)]
+                frames = frames_of(chain, records)
+                floors[d] = {
+                    "records": len(records), "frames": len(frames),
+                    "stored_MB": round(sum(map(len, frames)) / 1e6),
+                    "decompressed_MB": round(zstd_alone(frames, pool) / 1e6),
+                    "zstd_s": round(median_of(args.repeats, lambda: zstd_alone(frames, pool)), 4),
+                    "copy_s": round(median_of(args.repeats, lambda: copy_alone(frames, pool)), 4)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    key = restores[0]
+    print(f"tpde from {os.path.dirname(tpde.__file__)}; {raw / 1e6:.0f} MB state, "
+          f"{THREADS} threads, medians of {args.repeats}\n")
+    print("| step (its deepest record) | restore | x the keyframe's |\n|---|---|---|")
+    for d, s in restores.items():
+        deep = "keyframe" if d == 0 else f"{d} delta{'s' if d > 1 else ''} deep"
+        print(f"| {d} ({deep}) | {s * 1e3:.0f} ms "
+              f"| {s / key:.2f}x |")
+    print("\nWhat those restores decode, and what reading and decompressing it alone takes:\n")
+    print("| step | records decoded | stored | frames | copying the stored bytes "
+          "| zstd alone | x the keyframe's restore |\n|---|---|---|---|---|---|---|")
+    for d, f in floors.items():
+        print(f"| {d} | {f['records']} | {f['stored_MB']} MB | {f['frames']} "
+              f"| {f['copy_s'] * 1e3:.0f} ms | {f['zstd_s'] * 1e3:.0f} ms "
+              f"| {f['zstd_s'] / key:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                   "torch": torch.__version__},
+                       "raw_MB": round(raw / 1e6), "repeats": args.repeats, "threads": THREADS,
+                       "restore_s": {str(d): round(s, 4) for d, s in restores.items()},
+                       "floors": {str(d): f for d, f in floors.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
