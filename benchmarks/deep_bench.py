@@ -51,7 +51,8 @@ def median_of(repeats: int, fn: Callable[[], object]) -> float:
 
 
 def frames_of(chain: Chain, records: list[tuple[int, Record]]) -> list[memoryview]:
-    """The zstd frames of ``records``, read as a restore reads them."""
+    """The zstd frames of ``records``, read as a restore reads them (through the chain's own
+    reads, so that the floor reads what the restore reads)."""
     by_step: dict[int, list[Record]] = {}
     for at, rec in records:
         by_step.setdefault(at, []).append(rec)
@@ -63,12 +64,14 @@ def frames_of(chain: Chain, records: list[tuple[int, Record]]) -> list[memoryvie
     return out
 
 
-def zstd_alone(frames: list[memoryview], pool: ThreadPoolExecutor) -> int:
-    local = threading.local()
+_local = threading.local()  # each thread's zstd context, kept from one run to the next
 
+
+def zstd_alone(frames: list[memoryview], pool: ThreadPoolExecutor) -> int:
+    """The frames decompressed, shared out over the threads; the bytes they came to."""
     def run(share: list[memoryview]) -> int:
-        d = getattr(local, "d", None) or zstandard.ZstdDecompressor()
-        local.d = d
+        d = getattr(_local, "d", None) or zstandard.ZstdDecompressor()
+        _local.d = d
         return sum(len(d.decompress(f)) for f in share)
 
     return sum(pool.map(run, [frames[i::THREADS] for i in range(THREADS)]))
