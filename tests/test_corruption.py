@@ -49,9 +49,11 @@ def test_batches_rebuilt_side_by_side_give_the_step_and_name_a_damaged_record(
     rec = data.draw(st.sampled_from([r for r in m.records if "values" in r.sections]))
     s = rec.sections["values"]
     path = os.path.join(url, m.blob_of(rec))
-    raw = bytearray(open(path, "rb").read())
-    raw[s.offset + s.length // 2] ^= 0x10
-    open(path, "wb").write(raw)
+    with open(path, "r+b") as f:  # one bit of the record's values flipped in place
+        f.seek(s.offset + s.length // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
     found: list = []
     damaged = tpde.Checkpointer(url).chain.materialize(last, problems=found, batch_bytes=batch)
     assert {p.tensor for p in found} <= {rec.name}

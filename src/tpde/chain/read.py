@@ -238,7 +238,8 @@ class Reader(ChainBase):
                 exc, at = self._trace(r.name, step, exc, at)
             fail(exc, at, r.name)
 
-        def finish(at: int, jobs: list[tuple], rebuilt: Iterable[Any], size: int) -> None:
+        def finish(at: int, batch: list[tuple[Record, bool]], jobs: list[tuple],
+                   rebuilt: Iterable[Any]) -> None:
             """Take one batch's rebuilt words (waiting for them), and queue their checks."""
             finals: list[tuple[Record, torch.Tensor]] = []
             for (r, checked, *_), done in zip(jobs, rebuilt):
@@ -256,7 +257,7 @@ class Reader(ChainBase):
                 checks.append((at, [r for r, _ in finals], ahead.submit(
                     lambda fs: [attempt(verified)(r, True, w) for r, w in fs], finals)))
             if not look_ahead:
-                heap.freed(size)
+                heap.freed(sum(r.raw_bytes for r, _ in batch))
 
         # With look-ahead on the host, a batch's records are handed to the decode threads
         # before the batch before is done, unless it rebuilds one of the same tensors: the
@@ -295,10 +296,9 @@ class Reader(ChainBase):
                     rebuilt = pool.map(attempt(verified), [j[0] for j in jobs],
                                        [j[1] for j in jobs], words)
             del prepared
-            size = sum(r.raw_bytes for r, _ in batch)
             if running is not None:
                 running[0]()
-            running = (partial(finish, at, jobs, rebuilt, size), names)
+            running = (partial(finish, at, batch, jobs, rebuilt), names)
             del jobs, rebuilt  # held by ``running`` alone, and let go once it is finished
             if not overlap:
                 running[0]()
