@@ -347,4 +347,5 @@ def codec_mix(manifests: list) -> dict[str, int]:
 
 def all_contenders(best_level: int) -> list[Callable[[], Contender]]:
     return [TorchSave, TorchSaveZstd, Safetensors, ZipNN, ZipNNDelta, Blosc2, DCP,
-            lambda: TPDE(), lambda: TPDE(level=best_level)]
+            lambda: TPDE(), lambda: TPDE(level=best_level),
+            lambda: TPDE(deltas_against="keyframe")]

@@ -5,7 +5,8 @@ a tpde save fsyncs its blob before it commits, so ``torch.save + fsync`` is time
 
 Rows: ``torch.save`` and ``torch.load`` of the state; a tpde keyframe save, a delta save, the
 restore of the delta step (its keyframe and one delta) and of a keyframe; and a step 15 deltas
-deep (``keyframe_every=16``) against a keyframe of the same chain. tpde runs with 1 and 2
+deep (``keyframe_every=16``) against a keyframe of the same chain, and the same step of the
+chain saved with ``deltas_against="keyframe"`` (one delta deep). tpde runs with 1 and 2
 threads, the process held to 1 and 2 cores. Every figure is the median of ``--repeats`` runs;
 MB/s is the state's raw size over the wall time.
 
@@ -128,16 +129,18 @@ def main() -> None:
                 os.remove(path)
                 for threads in (1, 2):
                     saves(os.path.join(ram, f"run{threads}"), threads, f"in RAM, {threads} thr")
-        deep = os.path.join(root, "deep")
-        ck = tpde.Checkpointer(deep, keyframe_every=16)
-        for step, state in enumerate(chain):
-            ck.save(step, state)
-        ck.close()
-        assert Chain(deep).manifest(15).depth == 15
-        for _ in range(args.repeats):
-            reader = tpde.Checkpointer(deep)
-            note("restore step 15 deltas deep", timed(lambda: reader.load(15)))
-            note("restore its keyframe", timed(lambda: reader.load(0)))
+        for against, label in (("previous", ""), ("keyframe", ", deltas against keyframes")):
+            deep = os.path.join(root, f"deep-{against}")
+            ck = tpde.Checkpointer(deep, keyframe_every=16, deltas_against=against)
+            for step, state in enumerate(chain):
+                ck.save(step, state)
+            ck.close()
+            assert Chain(deep).manifest(15).depth == (15 if against == "previous" else 1)
+            for _ in range(args.repeats):
+                reader = tpde.Checkpointer(deep)
+                note(f"restore step 15{label or ' deltas deep'}", timed(lambda: reader.load(15)))
+                note(f"restore its keyframe{label}", timed(lambda: reader.load(0)))
+            shutil.rmtree(deep)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if ram is not None:
@@ -165,6 +168,9 @@ def main() -> None:
             medians["torch.load"] / medians["restore latest (1 delta), 2 thr"],
         "15 deep / keyframe (time)":
             medians["restore step 15 deltas deep"] / medians["restore its keyframe"],
+        "step 15, deltas against keyframes / keyframe (time)":
+            medians["restore step 15, deltas against keyframes"]
+            / medians["restore its keyframe, deltas against keyframes"],
         "keyframe save, 2 thr / 1 thr":
             medians["keyframe save, 1 thr"] / medians["keyframe save, 2 thr"],
         "delta save, 2 thr / 1 thr": medians["delta save, 1 thr"] / medians["delta save, 2 thr"],

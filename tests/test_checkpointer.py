@@ -267,6 +267,64 @@ def test_chain_restores_every_step_and_keyframes_bound_depth(store_url) -> None:
     assert reader.verify() == []
 
 
+@pytest.mark.parametrize("reference", ["host", "store"])
+def test_deltas_against_keyframes_restore_every_step_from_one_delta(store_url,
+                                                                     reference: str) -> None:
+    """Each delta is coded against its tensor's keyframe record, so no restore decodes more
+    than one; a step saved again as it was is stored as pointers to the step before (a
+    keyframe's words no longer tell it), and the run's marker records the choice."""
+    url, opts = store_url
+    ck = tpde.Checkpointer(url, keyframe_every=4, storage_options=opts, reference=reference,
+                           deltas_against="keyframe")
+    saved, step = {}, 0
+    for _, state in train_states(7):
+        for _ in range(2):  # every state saved twice, as Lightning's `last` beside top-k
+            saved[step] = copy.deepcopy(state)
+            ck.save(step, state)
+            step += 1
+    chain = ck.chain
+    for s in range(1, step, 2):
+        again = chain.manifest(s)
+        assert again.blob_size == 0 and {r.codec for r in again.records} == {"same"}
+        for r in again.records:  # the data of the same words, at the step before
+            before = chain.manifest(s - 1).record(r.name)
+            assert r.ref == (before.ref if before.codec == "same" else s - 1)
+    for s in range(step):
+        assert max(decode_depths(chain, s).values()) <= 1, decode_depths(chain, s)
+        for r in chain.manifest(s).records:  # a delta reads a keyframe record
+            if r.codec not in ("same", "key"):
+                assert chain.manifest(r.ref).record(r.name).codec == "key"
+    assert json.loads(chain.store.read(tpde.chain.MARKER))["deltas_against"] == "keyframe"
+    ck.close()
+    reader = tpde.Checkpointer(url, storage_options=opts)
+    for s, state in saved.items():
+        assert_same(state, reader.load(s))
+    assert reader.verify() == []
+    with pytest.raises(ValueError, match="deltas_against"):
+        tpde.Checkpointer(url, deltas_against="parent")
+
+
+def test_a_run_changes_what_its_deltas_are_coded_against_between_writers(tmp_path) -> None:
+    """A writer coding against the step before resumes a run saved against keyframes, and
+    back: the marker follows the writer, and every step restores as saved."""
+    url = str(tmp_path / "run")
+    saved, states = {}, train_states(9)
+    for against, steps in (("keyframe", 3), ("previous", 3), ("keyframe", 3)):
+        with tpde.Checkpointer(url, deltas_against=against) as ck:
+            if ck.steps():
+                ck.load()
+            for _ in range(steps):
+                step, state = next(states)
+                saved[step] = copy.deepcopy(state)
+                assert not ck.save(step, state).keyframe or step == 0
+            assert ck.chain.deltas_against() == against
+            assert tpde.chain.Chain(url).deltas_against() == against
+    reader = tpde.Checkpointer(url)
+    for s, state in saved.items():
+        assert_same(state, reader.load(s))
+    assert max(decode_depths(reader.chain, 8).values()) <= 1
+
+
 def test_a_writer_codes_each_tensor_as_it_last_chose_until_that_is_due(tmp_path,
                                                                          monkeypatch) -> None:
     """The full choice between codings (made on samples for a large tensor) runs at the first

@@ -129,6 +129,30 @@ def test_gc_reports_bytes_freed(run, capsys) -> None:
     assert chain.manifest(30).keyframe and tpde.Checkpointer(run).verify() == []
 
 
+def test_gc_keeps_a_run_with_deltas_against_keyframes_one_delta_deep(tmp_path, capsys) -> None:
+    """The run's marker, not the command line, says what a re-base codes against: `gc` re-keys
+    the oldest kept step and codes the others against it, as the run's own writer would."""
+    url = str(tmp_path / "run")
+    g = torch.Generator().manual_seed(1)
+    w, expected = torch.randn(4096, generator=g), {}
+    with tpde.Checkpointer(url, deltas_against="keyframe") as ck:
+        for step in range(5):
+            w = w + 1e-3 * torch.randn(w.numel(), generator=g)
+            expected[step] = {"w": w.clone()}
+            ck.save(step, expected[step])
+        ck.chain.remove(0)  # hidden only: left for `gc`
+    del expected[0]
+    code, out, _ = call(capsys, "ls", url, "--json")
+    assert code == 0 and json.loads(out)["deltas_against"] == "keyframe"
+    code, out, _ = call(capsys, "gc", url, "--json", "--grace", "0")
+    assert code == 0 and json.loads(out)["rebased_steps"] == [1, 2, 3, 4]
+    chain = tpde.Checkpointer(url).chain
+    assert [r.ref for r in chain.manifest(1).records] == [None]
+    assert {r.ref for s in (2, 3, 4) for r in chain.manifest(s).records} == {1}
+    for step, state in expected.items():
+        assert_same(state, chain.load(step)[0], f"step {step}")
+
+
 def test_errors_exit_1_and_usage_exits_2(run, tmp_path, capsys) -> None:
     code, _, err = call(capsys, "info", run, "--step", "7")
     assert code == 1 and "step 7" in err

@@ -317,6 +317,14 @@ def test_sharded_strategies_through_tpde_match_dcp(tmp_path, kind: str) -> None:
     assert "loops" in ckpt and all(torch.equal(ckpt["state_dict"][k], a[k]) for k in a)
 
 
+def test_the_plugin_refuses_unknown_options_on_the_training_thread() -> None:
+    """Checked in the constructor, not first by the background worker at the first save."""
+    with pytest.raises(ValueError, match="deltas_against"):
+        tpde.TPDECheckpointIO(deltas_against="parent")
+    with pytest.raises(ValueError, match="reference"):
+        tpde.TPDECheckpointIO(reference="disk")
+
+
 def test_tpde_sharded_strategies_refuse_full_checkpoints() -> None:
     """They store sharded checkpoints only; full ones go through the plain strategies with
     TPDECheckpointIO, which the messages name."""

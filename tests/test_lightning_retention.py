@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 
 import tpde  # noqa: E402
-from helpers import assert_same  # noqa: E402
+from helpers import assert_same, decode_depths  # noqa: E402
 from tpde import store  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -96,9 +96,10 @@ def run(folder: str, make_io: Callable[[], Any], options: dict[str, Any]
     return fit(folder, make_io(), 7, "last", **options)  # resumed from last.ckpt
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkeypatch,
-                                                        caplog) -> None:
+@pytest.mark.parametrize("config, deltas_against",
+                         [(c, "previous") for c in CONFIGS] + [("top2+last", "keyframe")])
+def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, deltas_against, tmp_path,
+                                                        monkeypatch, caplog) -> None:
     caplog.set_level(logging.INFO, logger="tpde.lightning")
     options = CONFIGS[config]
     torch_dir, tpde_dir = str(tmp_path / "torch"), str(tmp_path / "tpde")
@@ -111,7 +112,7 @@ def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkey
     plugins: list[Any] = []
 
     def make() -> Any:
-        plugins.append(tpde.TPDECheckpointIO())
+        plugins.append(tpde.TPDECheckpointIO(deltas_against=deltas_against))
         return plugins[-1]
 
     model, cb = run(tpde_dir, make, options)
@@ -133,7 +134,11 @@ def test_tpde_holds_fewer_bytes_than_torch_checkpointio(config, tmp_path, monkey
           f"({tpde_peak.value / torch_peak.value:.2f}x)")
     assert tpde_end <= 0.85 * torch_end
     assert tpde_peak.value <= torch_peak.value
-    assert tpde.Checkpointer(os.path.join(tpde_dir, ".tpde")).verify() == []
+    chain = tpde.Checkpointer(os.path.join(tpde_dir, ".tpde")).chain
+    assert chain.verify() == []
+    if deltas_against == "keyframe":  # through Lightning's removals and the resume from last
+        assert chain.deltas_against() == "keyframe"
+        assert all(max(decode_depths(chain, s).values()) <= 1 for s in chain.steps())
     # Each save's log states the folder's bytes at rest beside TorchCheckpointIO's.
     said = [r.getMessage() for r in caplog.records if "at rest" in r.getMessage()]
     assert said and all("TorchCheckpointIO would hold" in m for m in said)

@@ -36,11 +36,12 @@ class Run:
     """A real run driven by random operations, with the states it should hold."""
 
     def __init__(self, root: str, kinds: list[tuple[str, torch.dtype]], keyframe_every: int,
-                 seed: int) -> None:
+                 seed: int, deltas_against: str = "previous") -> None:
         self.url, self.root = os.path.join(root, "run"), root
         self.g = torch.Generator().manual_seed(seed)
         self.keyframe_every = keyframe_every
-        self.ck = tpde.Checkpointer(self.url, keyframe_every=keyframe_every, chunk_bytes=4096)
+        self.deltas_against = deltas_against
+        self.ck = self._writer()
         self.tensors = {f"t{i}": self._fresh(dt, 64 + 700 * i) for i, (_, dt) in enumerate(kinds)}
         self.kinds = {f"t{i}": kind for i, (kind, _) in enumerate(kinds)}
         self.expected: dict[int, dict] = {}
@@ -59,7 +60,7 @@ class Run:
             if kind == "sparse":
                 at = torch.randint(0, t.numel(), (3,), generator=self.g)
                 t[at] = self._fresh(t.dtype, 3)
-            elif kind == "dense":
+            elif kind == "dense" or (kind == "repeat" and self.next % 2):  # every other save
                 t.copy_(t + self._fresh(t.dtype, t.numel()) * (1e-3 if t.is_floating_point() else 1))
         state = {name: t.clone() for name, t in self.tensors.items()} | {"step": self.next}
         info = self.ck.save(self.next, state)
@@ -84,16 +85,23 @@ class Run:
         """A new writer on the run, resumed from its latest step (fresh caches)."""
         self.ck.close()
         self.deferred.clear()
-        self.ck = tpde.Checkpointer(self.url, keyframe_every=self.keyframe_every, chunk_bytes=4096)
+        self.ck = self._writer()
         if self.ck.steps():
             self.ck.load()
+
+    def _writer(self) -> tpde.Checkpointer:
+        return tpde.Checkpointer(self.url, keyframe_every=self.keyframe_every, chunk_bytes=4096,
+                                 deltas_against=self.deltas_against)
 
     def check(self) -> None:
         chain = Chain(self.url)  # a reader of its own: nothing cached from the writer
         assert chain.steps() == sorted(self.expected) if chain.is_run() else not self.expected
         for step, state in self.expected.items():
             assert_same(state, chain.load(step)[0], f"step {step}")
-            assert max(decode_depths(chain, step).values()) < self.keyframe_every
+            deepest = max(decode_depths(chain, step).values())
+            assert deepest < self.keyframe_every
+            # Against keyframes every record stays one delta deep, through re-bases too.
+            assert self.deltas_against == "previous" or deepest <= 1, decode_depths(chain, step)
         if not chain.is_run():
             return
         rest = chain.at_rest()
@@ -112,28 +120,47 @@ class Run:
             + sum(rest.hidden.values())
         assert rest.total <= bound, (rest.as_dict(), bound)
 
+    def drive(self, ops: list[tuple]) -> None:
+        """A first save, then ``ops``, each checked; then the writer closed and checked."""
+        for op in [("save",)] + ops:
+            if op[0] == "save":
+                self.save()
+            elif op[0] == "remove":
+                self.remove(op[1], defer=op[2])
+            elif op[0] == "gc":
+                self.gc()
+            else:
+                self.reopen()
+            self.check()
+        self.ck.close()
+        self.check()
+
+
+OPS = st.one_of(st.just(("save",)), st.just(("gc",)), st.just(("reopen",)),
+                st.tuples(st.just("remove"), st.integers(0, 50), st.booleans()))
+
 
 @given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense"]),
                                 st.sampled_from(DTYPES)), min_size=1, max_size=3),
-       ops=st.lists(st.one_of(st.just(("save",)), st.just(("gc",)), st.just(("reopen",)),
-                              st.tuples(st.just("remove"), st.integers(0, 50), st.booleans())),
-                    min_size=1, max_size=14),
+       ops=st.lists(OPS, min_size=1, max_size=14),
        keyframe_every=st.integers(1, 5), seed=st.integers(0, 2**16))
 def test_any_sequence_keeps_visible_steps_exact_and_bytes_bounded(kinds, ops, keyframe_every,
                                                                   seed) -> None:
     with tempfile.TemporaryDirectory() as root:
-        run = Run(root, kinds, keyframe_every, seed)
-        for op in [("save",)] + ops:
-            if op[0] == "save":
-                run.save()
-            elif op[0] == "remove":
-                run.remove(op[1], defer=op[2])
-            elif op[0] == "gc":
-                run.gc()
-            else:
-                run.reopen()
-            run.check()
-        run.ck.close()
+        Run(root, kinds, keyframe_every, seed).drive(ops)
+
+
+@given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense", "repeat"]),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=3),
+       ops=st.lists(OPS, min_size=3, max_size=16),
+       keyframe_every=st.integers(2, 8), seed=st.integers(0, 2**16))
+def test_deltas_against_keyframes_stay_one_deep_and_exact_through_any_sequence(
+        kinds, ops, keyframe_every, seed) -> None:
+    """As above, with each delta coded against its tensor's keyframe record: removals re-base
+    kept steps, the writer goes on from keyframes re-based away, and no restore decodes more
+    than one delta of a tensor."""
+    with tempfile.TemporaryDirectory() as root:
+        Run(root, kinds, keyframe_every, seed, deltas_against="keyframe").drive(ops)
 
 
 def test_each_save_reports_the_bytes_the_run_holds(tmp_path) -> None:
@@ -422,3 +449,34 @@ def test_saves_while_removals_wait_keep_the_count_up_without_listing_the_store(t
         rest = Chain(ck.run).at_rest()
         assert ck._plain == (rest.plain, rest.largest) and ck._run_bytes == rest.total
     assert listed == [] and Chain(ck.run).at_rest().hidden
+
+
+def test_removing_a_keyframe_re_bases_every_step_against_the_new_keyframe(tmp_path) -> None:
+    """Deltas against keyframes: the kept steps that all read one keyframe step are re-based,
+    the oldest re-keyed and the rest coded against it, so each stays one delta deep; the
+    writer then codes its next deltas against the new keyframe."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(20_000, generator=g)
+    url = str(tmp_path / "run")
+    expected = {}
+    ck = tpde.Checkpointer(url, deltas_against="keyframe")
+    for step in range(6):
+        w = w + 1e-3 * torch.randn(w.numel(), generator=g)
+        expected[step] = {"w": w.clone()}
+        ck.save(step, expected[step])
+    assert {r.ref for s in range(1, 6) for r in ck.chain.manifest(s).records} == {0}
+    ck.remove(0)
+    del expected[0]
+    chain = Chain(url)
+    assert [r.ref for r in chain.manifest(1).records] == [None]  # re-keyed
+    assert {r.ref for s in range(2, 6) for r in chain.manifest(s).records} == {1}
+    for step in range(6, 9):  # the writer held step 0's words: it reads step 1's instead
+        w = w + 1e-3 * torch.randn(w.numel(), generator=g)
+        expected[step] = {"w": w.clone()}
+        ck.save(step, expected[step])
+        assert [r.ref for r in Chain(url).manifest(step).records] == [1]
+    ck.close()
+    chain = Chain(url)
+    for step, state in expected.items():
+        assert_same(state, chain.load(step)[0], f"step {step}")
+        assert max(decode_depths(chain, step).values()) <= 1

@@ -22,7 +22,7 @@ from . import report as show
 from . import entry as entries
 from .api import Checkpointer, Snapshot
 from .against import distances
-from .chain import Chain, lossy_summary, span_words
+from .chain import KEYFRAME, Chain, lossy_summary, span_words
 from .errors import LossyWarning, TPDEError
 from .lease import Lease
 from .keys import weights_key
@@ -77,9 +77,11 @@ def cmd_ls(chain: Chain, args: argparse.Namespace) -> int:
                           **({} if named is None else {"entries": named}),
                           "raw_bytes": raw, "stored_bytes": stored,
                           "ratio": round(raw / max(1, stored), 3),
+                          "deltas_against": chain.deltas_against(),
                           "at_rest": rest.as_dict()}))
         return 1 if damaged else 0
-    table = Table(title=f"{chain.url}: {len(rows) + len(damaged)} steps")
+    against = " (deltas against keyframes)" if chain.deltas_against() == KEYFRAME else ""
+    table = Table(title=f"{chain.url}: {len(rows) + len(damaged)} steps{against}")
     for col in ("step", "kind", "raw", "stored", "ratio", "codecs"):
         table.add_column(col, justify="right" if col in ("step", "raw", "stored", "ratio") else "left")
     bad = {d["step"]: d["error"] for d in damaged}

@@ -15,7 +15,7 @@ decisions out, and ``spans`` puts a rebuilt step's tensors together.
 """
 
 from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reference
-from .plan import DEFAULT_KEYFRAME_EVERY, AtRest
+from .plan import DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest
 from .read import DECODE_BATCH_BYTES
 from .retain import Retainer
 from .spans import lossy_summary, span_places, span_words
@@ -26,6 +26,6 @@ class Chain(Retainer):
     """One run in one store: writing, reading, re-basing and collecting its steps."""
 
 
-__all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY", "GcReport",
-           "MARKER", "PIECE_BYTES", "Problem", "REMOVED", "Reference", "STEPS", "lossy_summary",
-           "span_places", "span_words"]
+__all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY",
+           "DELTAS_AGAINST", "GcReport", "KEYFRAME", "MARKER", "PIECE_BYTES", "PREVIOUS", "Problem",
+           "REMOVED", "Reference", "STEPS", "lossy_summary", "span_places", "span_words"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -11,6 +12,7 @@ from .. import codec
 from ..errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
 from ..manifest import Manifest, Record, parse
 from ..store import Store
+from .plan import KEYFRAME, PREVIOUS
 
 MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
 Progress = Callable[[int], None]
@@ -49,6 +51,10 @@ class Reference:
     held: bool = True
     #: Each tensor's delta coding as last chosen, tried first at the next save.
     choices: dict[str, codec.Choice] = field(default_factory=dict)
+    #: Deltas against keyframes only: the step whose words ``words`` holds, by tensor (its
+    #: keyframe record's, not ``step``), and how many deltas it has stored since.
+    at: dict[str, int] = field(default_factory=dict)
+    since: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +93,20 @@ class ChainBase:
         self.store = Store(url, storage_options)
         self._manifests: dict[int, Manifest] = {}
         self._known_run = False
+        self._against: str | None = None
+
+    def deltas_against(self) -> str:
+        """What the run's writer codes deltas against (the marker's ``deltas_against``): a
+        re-base keeps to it, whoever runs it. Either way of coding restores the same words, so
+        a marker that cannot be read means the default."""
+        if self._against is None:
+            try:
+                marker = json.loads(self.store.read(MARKER))
+            except (FileNotFoundError, ValueError):
+                marker = {}
+            found = marker.get("deltas_against") if isinstance(marker, dict) else None
+            self._against = KEYFRAME if found == KEYFRAME else PREVIOUS
+        return self._against
 
     def _listed(self, prefix: str, suffix: str = "") -> dict[int, int]:
         return numbered(((e.path, e.size) for e in self.store.list(prefix)), suffix)

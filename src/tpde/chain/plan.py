@@ -7,6 +7,7 @@ executors (``write``, ``read``, ``retain``) carry the plans out.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
@@ -18,6 +19,11 @@ from ..manifest import Manifest, Record
 #: 4.15x -> 4.69x -> 5.38x while restoring the deepest step gets several times slower; dense
 #: fp32 state gains nothing past 4. 16 keeps most of the ratio and at most 15 deltas per restore.
 DEFAULT_KEYFRAME_EVERY = 16
+
+#: What a delta is coded against: the step saved before (the default), or its tensor's last
+#: keyframe record, so that restoring any step decodes at most one delta of each tensor.
+PREVIOUS, KEYFRAME = "previous", "keyframe"
+DELTAS_AGAINST = (PREVIOUS, KEYFRAME)
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,8 @@ class Candidate:
     name: str
     depth: int | None
     synced: bool = False
+    #: The step of the keyframe record its lineage starts from (None: it has no record).
+    source: int | None = None
 
 
 def phase(name: str, keyframe_every: int) -> int:
@@ -114,16 +122,41 @@ def phase(name: str, keyframe_every: int) -> int:
     return zlib.crc32(name.encode()) % max(1, keyframe_every // 2)
 
 
-def candidates(manifests: Mapping[int, Manifest], step: int, names: Iterable[str]
-               ) -> list[Candidate]:
+def candidates(manifests: Mapping[int, Manifest], step: int, names: Iterable[str], *,
+               since: Mapping[str, tuple[int, int]] | None = None) -> list[Candidate]:
     """The tensors ``names`` as candidates for ``plan_keys``, against their records at
-    ``step``."""
+    ``step``. With ``since`` (deltas coded against keyframes, which are all one delta deep) a
+    candidate's depth is instead the deltas stored since its keyframe record: ``since``'s
+    count, by tensor, where it holds one for that record's step (a writer keeps them up), or
+    else counted over the committed steps."""
     out = []
+    steps: list[int] | None = None
     for name in names:
         found = keyed_at(manifests, step, name)
-        out.append(Candidate(name, found[0] if found else None,
-                             found is not None and manifests[found[1]].keyframe))
+        if found is None:
+            out.append(Candidate(name, None))
+            continue
+        deep, at = found
+        if since is not None:
+            kept = since.get(name)
+            if kept is not None and kept[0] == at:
+                deep = kept[1]
+            else:
+                steps = sorted(manifests) if steps is None else steps  # one listing a save
+                deep = deltas_since(manifests, steps, at, step, name)
+        out.append(Candidate(name, deep, manifests[at].keyframe, at))
     return out
+
+
+def deltas_since(manifests: Mapping[int, Manifest], steps: Sequence[int], key: int, step: int,
+                 name: str) -> int:
+    """Records of ``name`` that store a delta, in ``steps`` after ``key`` up to ``step``."""
+    count = 0
+    for s in steps[bisect.bisect_right(steps, key) : bisect.bisect_right(steps, step)]:
+        m = manifests.get(s)
+        rec = m.record(name) if m is not None else None
+        count += rec is not None and rec.codec != "same" and rec.ref is not None
+    return count
 
 
 def plan_keys(candidates: Sequence[Candidate], keyframe_every: int) -> set[str]:
@@ -194,18 +227,22 @@ class Rewrite:
     against: int | None
 
 
-def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int]
-                ) -> list[tuple[int, list[Rewrite]]]:
+def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int],
+                against: str = PREVIOUS) -> list[tuple[int, list[Rewrite]]]:
     """For each kept step, oldest first, the records to rewrite so that no kept step builds
     on a step outside ``kept``.
 
     A record is rewritten when the step it reads from (its reference, or for an unchanged
     record the step holding its data) is not kept. Earlier kept steps are rewritten first, so
-    a record that reads from a kept step is already safe: that step's words never change.
+    a record that reads from a kept step is already safe: that step's words never change. A
+    record re-coded as a delta is coded against the newest kept step before it with a record
+    of its tensor, or where the run codes deltas against keyframes (``against``), the newest
+    with a keyframe record of it, so that it stays one delta deep.
     """
     order = sorted(s for s in set(kept) if manifests.get(s) is not None)
     keep = set(order)
     last_seen: dict[str, int] = {}  # the newest kept step so far with a record of each tensor
+    last_key: dict[str, int] = {}  # and with a keyframe record of it
     plan: list[tuple[int, list[Rewrite]]] = []
     for step in order:
         m = manifests[step]
@@ -214,13 +251,19 @@ def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int]
             prev = last_seen.get(rec.name)
             last_seen[rec.name] = step
             if rec.ref is None or rec.ref in keep:  # a keyframe record, or reading a kept step
+                if rec.ref is None:
+                    last_key[rec.name] = step
                 continue
             if prev is not None and manifests[prev].record(rec.name).hash == rec.hash:
                 todo.append(Rewrite(rec.name, "same", prev))
             elif prev is None and _held_as_key(manifests, step, rec):
                 todo.append(Rewrite(rec.name, "copy", None))
+                last_key[rec.name] = step
             else:
-                todo.append(Rewrite(rec.name, "recode", prev))
+                v = last_key.get(rec.name) if against == KEYFRAME else prev
+                todo.append(Rewrite(rec.name, "recode", v))
+                if v is None:
+                    last_key[rec.name] = step
         if todo:
             plan.append((step, todo))
     return plan

@@ -63,7 +63,7 @@ class Retainer(Writer):
         report = report or GcReport()
         started = time.perf_counter()
         settings = settings or codec.Settings()
-        for step, rewrites in plan_rebase(self.lazy(), kept):
+        for step, rewrites in plan_rebase(self.lazy(), kept, self.deltas_against()):
             self._rewrite(step, rewrites, settings, keyframe_every)
             report.rebased_steps.append(step)
             report.rewritten_records += len(rewrites)

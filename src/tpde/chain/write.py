@@ -8,7 +8,7 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -18,7 +18,8 @@ from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
 from ..store import BlobWriter
 from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
-from .plan import Candidate, Piece, batches, candidates, piece_starts, pieces, plan_keys
+from .plan import (KEYFRAME, PREVIOUS, Candidate, Piece, batches, candidates, holder, piece_starts,
+                   pieces, plan_keys, record_depth)
 from .read import Reader
 
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
@@ -63,16 +64,38 @@ def _copy(words: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+class Encoded(NamedTuple):
+    """One piece coded, as its record will say: ``ref`` is the step it reads from (None: a
+    keyframe record), ``depth`` the deltas a restore decodes, ``source`` the step whose words
+    it was coded against."""
+
+    dtype: dtypes.DType
+    host: torch.Tensor | None  # the next save's reference words (None: none kept)
+    enc: codec.Encoding
+    digest: str
+    bound: quant.Bound | None
+    ref: int | None
+    depth: int
+    source: int | None
+
+
 class Writer(Reader):
     """Committing steps."""
 
     def blob_for(self, step: int) -> str:
         return f"{DATA}/{name(step)}-{uuid.uuid4().hex[:12]}.tpd"
 
-    def mark_run(self) -> None:
-        """Make the folder a run (``tpde.json``), if it is not one yet."""
-        if not self.is_run():
-            self.store.put_atomic(MARKER, json.dumps({"format": "tpde", "version": 1}).encode())
+    def mark_run(self, against: str | None = None) -> None:
+        """Make the folder a run (``tpde.json``), if it is not one yet, and have the marker say
+        what this writer codes deltas against, if given (a re-base keeps to what it says)."""
+        if self.is_run() and (against is None or self.deltas_against() == against):
+            return
+        against = against or PREVIOUS
+        marker: dict[str, object] = {"format": "tpde", "version": 1}
+        if against != PREVIOUS:
+            marker["deltas_against"] = against
+        self.store.put_atomic(MARKER, json.dumps(marker).encode())
+        self._known_run, self._against = True, against
 
     def commit(self, m: Manifest) -> Manifest:
         """Write ``m`` (its blob is durable): the step is visible, or rewritten, from here on.
@@ -96,8 +119,8 @@ class Writer(Reader):
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
               settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
               max_inflight_bytes: int = 256 << 20, owned: bool = False,
-              bounds: Callable[[str], quant.Bound | None] | None = None
-              ) -> tuple[Manifest, Reference]:
+              bounds: Callable[[str], quant.Bound | None] | None = None,
+              against: str = PREVIOUS) -> tuple[Manifest, Reference]:
         """Commit ``flat`` as ``step``; returns the manifest and the reference for the next step.
 
         With ``keep_reference`` the returned reference holds a host copy of every tensor, and
@@ -110,43 +133,89 @@ class Writer(Reader):
         become the next reference as they are instead of being copied again. ``bounds`` gives
         the error bound of a span by name (None: exact); an error-bounded record's restored
         words, not the saved ones, become the next step's reference (error feedback).
+
+        ``against=KEYFRAME`` codes each delta against its tensor's keyframe record instead of
+        the reference step's record, so that every record is at most one delta deep; the
+        reference then holds the keyframe records' words. A tensor bit-identical to its record
+        at the reference step (its hash tells: a keyframe's words no longer do) points at that
+        record's data instead.
         """
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
         self._make_room(step)
         if reference is not None and reference.step == step:
             reference = None  # a hidden step purged to take its number again: a keyframe
-        self.mark_run()
+        self.mark_run(against)
+        star = against == KEYFRAME
         started = time.perf_counter()
         prev_m = self.manifest(reference.step) if reference is not None else None
         bound = max(1, max_inflight_bytes // 2)
         todo = list(pieces(flat, min(PIECE_BYTES, bound), piece_starts(prev_m), bound))
-        found = candidates(self.lazy(), prev_m.step, [p.name for p in todo]) if prev_m \
-            else [Candidate(p.name, None) for p in todo]
+        since = {n: (reference.at[n], c) for n, c in reference.since.items()
+                 if n in reference.at} if star and reference else None
+        found = candidates(self.lazy(), prev_m.step, [p.name for p in todo], since=since) \
+            if prev_m else [Candidate(p.name, None) for p in todo]
         depths = {c.name: c.depth for c in found}
+        sources = {c.name: c.source for c in found}
         keyed = plan_keys(found, keyframe_every)
+        if star and reference is not None and reference.held:
+            # Keyframe words held for a step that is gone (re-based away: its tensors' records
+            # were re-keyed elsewhere) are read back from their new keyframes, a step at a time:
+            # one read per piece cost G's saves a fifth more.
+            stale: dict[int, list[str]] = {}
+            for c in found:
+                if c.name not in keyed and reference.at.get(c.name) != c.source:
+                    stale.setdefault(c.source, []).append(c.name)
+            for at, names in stale.items():
+                reference.words.update(self.materialize(at, names))
+                reference.at.update(dict.fromkeys(names, at))
         blob_rel = self.blob_for(step)
         writer = self.store.open_write(blob_rel)
         records: list[Record] = []
         new_words: dict[str, torch.Tensor] = {}
         choices: dict[str, codec.Choice] = {}
+        held_at: dict[str, int] = {}  # against keyframes: the step of each reference's words
+        since_key: dict[str, int] = {}
         deepest = 0
 
-        def encode(piece: Piece) -> tuple[dtypes.DType, torch.Tensor | None, codec.Encoding, str,
-                                          quant.Bound | None]:
+        def encode(piece: Piece) -> Encoded:
             dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
             w = dt.words_per_element
             words = transform.to_words(piece.span.tensor.detach(), dt.word_dtype)
             words = words[piece.lo * w : piece.hi * w]
             ref_words = spare = reference.words.pop(piece.name, None) if reference else None
-            if piece.name in keyed:
+            src = None if piece.name in keyed or prev_m is None else \
+                sources[piece.name] if star else prev_m.step
+            digest = None
+            prev = prev_m.record(piece.name) if star and prev_m is not None else None
+            if prev is not None and prev.dtype == dt.name and prev.numel == piece.hi - piece.lo:
+                digest = record_hash(words.contiguous().view(torch.uint8).cpu().numpy())
+                if digest == prev.hash:
+                    # As saved at the reference step, which a keyframe's words no longer tell
+                    # (nor the plan, which may have this tensor re-keyed now).
+                    at = sources[piece.name]
+                    if reference.at.get(piece.name) != at:
+                        ref_words = None  # read back at the next save
+                    return Encoded(dt, ref_words if keep_reference else None,
+                                   codec.Encoding("same"), digest, None,
+                                   holder(prev_m.step, prev), record_depth(self.lazy(), prev), at)
+            if src is None:
                 ref_words = None
-            elif reference and not reference.held:
-                ref_words = self._stored_words(reference, piece.name)
+            elif star and (ref_words is None or reference.at.get(piece.name) != src):
+                # Words held for another step (its keyframe was re-based away), or none held.
+                ref_words = self._stored_words(src, piece.name)
+            elif not reference.held:
+                ref_words = self._stored_words(src, piece.name)
+            if star and src is not None:
+                spare = None  # the keyframe's words stay the reference
             bound = bounds(piece.span.name) if bounds is not None else None
             enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound, dtype=dt.name,
                                choice=reference.choices.get(piece.name) if reference else None)
-            if enc.words is not None:  # error-bounded: what a reader rebuilds
+            if enc.keyed:
+                src = None
+            if star and src is not None:
+                host = ref_words  # the next delta is coded against the same keyframe
+            elif enc.words is not None:  # error-bounded: what a reader rebuilds
                 host = enc.words.to("cpu")
             elif enc.codec == "same" and ref_words is not None and not ref_words.is_cuda:
                 host = ref_words  # the reference's own words: an unchanged tensor is not copied
@@ -154,20 +223,26 @@ class Writer(Reader):
                 host = _copy(words, spare)  # the last reference's buffer is done with now
             else:
                 host = words
-            # Bit-identical to the reference, whose hash is known: a repeated save hashes nothing.
-            digest = (prev_m.record(piece.name).hash if enc.codec == "same"
-                      else record_hash(host.view(torch.uint8).numpy()))
-            return dt, host if keep_reference else None, enc, digest, bound
+            if enc.codec == "same":
+                # Bit-identical to words whose hash is known: a repeated save hashes nothing.
+                held = self.manifest(src).record(piece.name)
+                return Encoded(dt, host if keep_reference else None, enc, held.hash, bound,
+                               holder(src, held), 0 if star else depths[piece.name], src)
+            if enc.words is not None:
+                digest = record_hash(enc.words.to("cpu").view(torch.uint8).numpy())
+            elif digest is None:  # (taken already of the same words where it was compared)
+                digest = record_hash(host.view(torch.uint8).numpy())
+            deep = 0 if src is None else 1 if star else depths[piece.name] + 1
+            return Encoded(dt, host if keep_reference else None, enc, digest, bound, src, deep,
+                           src)
 
-        def commit(piece: Piece, done: tuple[dtypes.DType, torch.Tensor, codec.Encoding, str,
-                                             quant.Bound | None]) -> None:
+        def commit(piece: Piece, done: Encoded) -> None:
             nonlocal deepest
-            dt, host, enc, digest, bound = done
-            ref, d = None, 0
-            if not enc.keyed:
-                prev = prev_m.record(piece.name)
-                d = depths[piece.name] + (enc.codec != "same")
-                ref = prev.ref if enc.codec == "same" and prev.codec == "same" else prev_m.step
+            dt, host, enc, digest, bound, ref, d, src = done
+            if star:  # a keyframe record's words are its own step's
+                held_at[piece.name] = step if src is None else src
+                since_key[piece.name] = 0 if src is None else \
+                    depths[piece.name] + (enc.codec != "same")
             deepest = max(deepest, d)
             records.append(Record(piece.name, dt.name, piece.hi - piece.lo, piece.span.device,
                                   enc.codec, digest, ref, enc.residual, enc.count,
@@ -211,22 +286,24 @@ class Writer(Reader):
         except BaseException:
             writer.abort()
             raise
-        self_contained = all(r.ref is None for r in records)
+        m_refs = [r.ref for r in records if r.ref is not None]
+        self_contained = not m_refs
         m = Manifest(
             step=step, keyframe=self_contained, depth=deepest,
-            parent=None if self_contained else prev_m.step, blob=blob_rel,
+            parent=None if self_contained else max(m_refs) if star else prev_m.step, blob=blob_rel,
             blob_size=writer.size, created=time.time(), seconds=0.0, skeleton=flat.skeleton,
             records=records, format=format_for(records),
         )
         m.seconds = time.perf_counter() - started
         m = self.commit(m)
-        return m, Reference(step, new_words, held=keep_reference, choices=choices)
+        return m, Reference(step, new_words, held=keep_reference, choices=choices, at=held_at,
+                            since=since_key)
 
-    def _stored_words(self, reference: Reference | None, piece: str) -> torch.Tensor | None:
-        """The reference step's words of one tensor, read back from the store."""
-        if reference is None or self.manifest(reference.step).record(piece) is None:
+    def _stored_words(self, step: int, piece: str) -> torch.Tensor | None:
+        """One tensor's words at ``step``, read back from the store."""
+        if self.manifest(step).record(piece) is None:
             return None
-        return self.materialize(reference.step, [piece])[piece]
+        return self.materialize(step, [piece])[piece]
 
     def _make_room(self, step: int) -> None:
         """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""
