@@ -2,7 +2,7 @@
 (large spans stored in pieces), format 3 (steps re-based into new blobs), format 4
 (error-bounded records: within their bounds of the saved states, and hash-checked) and format 5
 (sharded steps written by two ranks through torch.distributed.checkpoint) and format 6 (record
-hashes by XXH3-128)."""
+hashes by XXH3-128; and a run whose deltas are coded against keyframe records)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
 from states import LOSSY_BOUNDS, golden_states, lossy_states, sharded_states  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
-CHAINS = ("chain-v1", "chain-v2", "chain-v3", "chain-v6")
+CHAINS = ("chain-v1", "chain-v2", "chain-v3", "chain-v6", "chain-v6-keyframe")
 #: Where each chain stores golden state i (chain-v3 kept the odd steps of its run).
 STEP = {"chain-v1": lambda i: i, "chain-v2": lambda i: i, "chain-v3": lambda i: 2 * i + 1,
-        "chain-v6": lambda i: i}
+        "chain-v6": lambda i: i, "chain-v6-keyframe": lambda i: i}
 
 
 @pytest.mark.parametrize("name", CHAINS)
@@ -109,6 +109,17 @@ def test_golden_v6_records_hash_with_xxh3() -> None:
     assert all(chain.manifest(s).format == 6 for s in chain.steps())
     assert all(r.hash.startswith("xxh3:") for s in chain.steps()
                for r in chain.manifest(s).records)
+
+
+def test_golden_v6_keyframe_codes_deltas_against_keyframe_records() -> None:
+    """Its deltas read keyframe records of earlier steps than the one before, and its marker
+    says so (what re-bases keep to)."""
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v6-keyframe")).chain
+    assert chain.deltas_against() == "keyframe"
+    deltas = [(s, r) for s in chain.steps() for r in chain.manifest(s).records
+              if r.codec not in ("same", "key")]
+    assert all(chain.manifest(r.ref).record(r.name).codec == "key" for _, r in deltas)
+    assert any(r.ref < s - 1 for s, r in deltas)
 
 
 def test_a_chain_of_an_older_format_goes_on_with_new_hashes(tmp_path) -> None:

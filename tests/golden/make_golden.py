@@ -9,6 +9,9 @@ regenerate one to make a test pass: a decoder that cannot read it has broken the
 * ``chain-v4``: format 4, ``lossy_states()`` saved with ``LOSSY_BOUNDS``: error-bounded
   records on both grids, dense and sparse codes, exactly stored fixes, bounded keyframes.
 * ``chain-v6``: format 6, ``golden_states()`` with XXH3-128 record hashes.
+* ``chain-v6-keyframe``: format 6, ``golden_states()`` with each delta coded against its
+  tensor's keyframe record (``deltas_against="keyframe"``, recorded in ``tpde.json``): records
+  whose ``ref`` names an earlier step than the one before.
 * ``chain-v5``: format 5, ``sharded_states()`` saved by two ranks (gloo) through
   ``torch.distributed.checkpoint`` as steps 0-3, then step 1 removed: step 2 is re-based into
   one blob, step 3 keeps one blob per rank.
@@ -28,7 +31,8 @@ from states import (LOSSY_BOUNDS, detour, golden_states, lossy_states,  # noqa: 
 HERE = os.path.dirname(__file__)
 BOUNDS = {k: tpde.Abs(v) if how == "abs" else tpde.Rel(v) for k, (how, v) in LOSSY_BOUNDS.items()}
 CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}, "chain-v3": {},
-          "chain-v4": {"error_bound": BOUNDS}, "chain-v6": {}}
+          "chain-v4": {"error_bound": BOUNDS}, "chain-v6": {},
+          "chain-v6-keyframe": {"deltas_against": "keyframe"}}
 
 def sharded_rank(rank: int, out: str, port: int) -> None:
     """One of chain-v5's two ranks."""
