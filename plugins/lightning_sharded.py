@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from tpde import entry as entries
 from tpde import tree
 from tpde.api import StepInfo
+from tpde.chain import PREVIOUS
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.plugins.dcp import Writer, hold
 from tpde.plugins.dcp_read import Reader
@@ -47,6 +48,10 @@ class _TPDESharded:
         if not isinstance(io, TPDECheckpointIO):
             raise TypeError(f"{type(self).__name__} needs a TPDECheckpointIO, not "
                             f"{type(io).__name__}")
+        if io.options["deltas_against"] != PREVIOUS:
+            raise ValueError(f"{type(self).__name__} saves sharded checkpoints, whose deltas are "
+                             "coded against the step saved before: leave the TPDECheckpointIO's "
+                             "deltas_against at 'previous'")
         return io
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,

@@ -334,6 +334,10 @@ def test_tpde_sharded_strategies_refuse_full_checkpoints() -> None:
         tpde.TPDEModelParallelStrategy(save_distributed_checkpoint=False)
     strategy = tpde.TPDEFSDPStrategy(checkpoint_io=tpde.TPDECheckpointIO(level=5))
     assert strategy._state_dict_type == "sharded" and strategy._tpde().options["level"] == 5
+    against = tpde.TPDECheckpointIO(deltas_against="keyframe")
+    strategy = tpde.TPDEFSDPStrategy(checkpoint_io=against)
+    with pytest.raises(ValueError, match="deltas_against at 'previous'"):
+        strategy._tpde()  # what a save and a load ask for first
 
 
 def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:

@@ -167,6 +167,8 @@ class Writer(Reader):
                 if c.name not in keyed and reference.at.get(c.name) != c.source:
                     stale.setdefault(c.source, []).append(c.name)
             for at, names in stale.items():
+                for n in names:  # dropped first: one copy of the state held, not two
+                    reference.words.pop(n, None)
                 reference.words.update(self.materialize(at, names))
                 reference.at.update(dict.fromkeys(names, at))
         blob_rel = self.blob_for(step)
