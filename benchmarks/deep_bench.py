@@ -159,11 +159,7 @@ def main() -> None:
             json.dump({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                    "torch": torch.__version__},
                        "raw_MB": round(raw / 1e6), "repeats": args.repeats, "threads": THREADS,
-                       "deltas_against": {a: {**m, "restore_s": {str(d): s for d, s in
-                                                                 m["restore_s"].items()},
-                                              "floors": {str(d): f for d, f in
-                                                         m["floors"].items()}}
-                                          for a, m in modes.items()}}, f, indent=1)
+                       "deltas_against": modes}, f, indent=1)
 
 
 if __name__ == "__main__":

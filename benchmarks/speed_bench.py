@@ -129,7 +129,10 @@ def main() -> None:
                 os.remove(path)
                 for threads in (1, 2):
                     saves(os.path.join(ram, f"run{threads}"), threads, f"in RAM, {threads} thr")
-        for against, label in (("previous", ""), ("keyframe", ", deltas against keyframes")):
+        for against, step15, key in (
+                ("previous", "restore step 15 deltas deep", "restore its keyframe"),
+                ("keyframe", "restore step 15, deltas against keyframes",
+                 "restore its keyframe, deltas against keyframes")):
             deep = os.path.join(root, f"deep-{against}")
             ck = tpde.Checkpointer(deep, keyframe_every=16, deltas_against=against)
             for step, state in enumerate(chain):
@@ -138,8 +141,8 @@ def main() -> None:
             assert Chain(deep).manifest(15).depth == (15 if against == "previous" else 1)
             for _ in range(args.repeats):
                 reader = tpde.Checkpointer(deep)
-                note(f"restore step 15{label or ' deltas deep'}", timed(lambda: reader.load(15)))
-                note(f"restore its keyframe{label}", timed(lambda: reader.load(0)))
+                note(step15, timed(lambda: reader.load(15)))
+                note(key, timed(lambda: reader.load(0)))
             shutil.rmtree(deep)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -203,10 +203,9 @@ class Writer(Reader):
                                    holder(prev_m.step, prev), record_depth(self.lazy(), prev), at)
             if src is None:
                 ref_words = None
-            elif star and (ref_words is None or reference.at.get(piece.name) != src):
-                # Words held for another step (its keyframe was re-based away), or none held.
-                ref_words = self._stored_words(src, piece.name)
-            elif not reference.held:
+            elif not reference.held or (star and (ref_words is None
+                                                  or reference.at.get(piece.name) != src)):
+                # None held, or (against keyframes) held for a keyframe re-based away since.
                 ref_words = self._stored_words(src, piece.name)
             if star and src is not None:
                 spare = None  # the keyframe's words stay the reference
