@@ -433,6 +433,53 @@ def test_twenty_step_chains_with_updates_removals_and_keyframes(tmp_path_factory
         assert_same(st_, tpde.Checkpointer(url).load(step))
 
 
+@settings(max_examples=10)
+@given(st.lists(st.tuples(st.sampled_from(["again", "some", "all"]), st.integers(0, 2**16)),
+                min_size=2, max_size=10),
+       st.integers(2, 6), st.booleans())
+def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_threads_give(
+        ops, every, in_pieces) -> None:
+    """A step saved again (Lightning's ``last``) has its small pieces compared on the writing
+    thread, without a task: its manifests are those of the same run saved with every piece
+    coded on the encode threads."""
+    from tpde.chain import write
+
+    runs = {}
+    for told in (True, False):
+        g = torch.Generator().manual_seed(len(ops))
+        state = {"w": torch.randn(64, 64, generator=g), "b": torch.randn(300_000, generator=g),
+                 "e": torch.randn(20000, 64, generator=g).bfloat16(), "i": torch.arange(100),
+                 "n": 0}
+        url = f"memory://tpde-told/{os.urandom(6).hex()}"
+        limit = write.UNCHANGED_BYTES
+        write.UNCHANGED_BYTES = limit if told else -1
+        try:
+            ck = tpde.Checkpointer(url, keyframe_every=every,
+                                   max_inflight_bytes=(2 << 20) if in_pieces else (256 << 20))
+            saved = {}
+            for step, (op, seed) in enumerate(ops):
+                g.manual_seed(seed)
+                if op in ("some", "all"):
+                    state["w"] = state["w"] + 1e-3 * torch.randn(64, 64, generator=g)
+                if op == "all":
+                    state["b"] = state["b"] * 1.001
+                    state["e"].view(-1)[torch.randint(0, 20000 * 64, (50,), generator=g)] += 1
+                    state["n"] = step
+                ck.save(step, state)
+                saved[step] = copy.deepcopy(state)
+            ck.close()
+        finally:
+            write.UNCHANGED_BYTES = limit
+        reader = tpde.Checkpointer(url)
+        for step, want in saved.items():
+            assert_same(want, reader.load(step))
+        runs[told] = [(m.keyframe, m.depth, m.parent,
+                       [(r.name, r.codec, r.ref, r.hash, r.residual, r.count, r.start)
+                        for r in m.records])
+                      for m in (reader.chain.manifest(s) for s in reader.steps())]
+    assert runs[True] == runs[False]
+
+
 def sparse_states(steps: int):
     """bf16 weights with a few updates per step: every non-keyframe step is a real delta."""
     g = torch.Generator().manual_seed(1)

@@ -341,7 +341,11 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
                 applied = transform.apply_streamed(
                     ref.clone(), unframe.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
                     threads=threads)
+                undone = transform.apply_streamed(  # a re-base's words from the step after
+                    new.clone(), unframe.Frames(list(sec.frames), sec.raw, sec.chunk), how, kind,
+                    threads=threads, undo=True)
             assert torch.equal(applied, new)
+            assert torch.equal(undone, ref)
 
 
 @PLANES

@@ -31,16 +31,20 @@ def words_of(width: int, n: int, seed: int, spread: int = 100) -> torch.Tensor:
        spread=st.sampled_from([3, 100, 2**62]))
 def test_residuals_in_c_are_numpy_s_and_invert(width: int, n: int, seed: int,
                                                how: tuple[str, str], spread: int) -> None:
-    """Of words of any sign and any size of difference, with wrap-around."""
+    """Of words of any sign and any size of difference, with wrap-around; and undone."""
     ref, new = words_of(width, n, seed, spread), words_of(width, n, seed + 1, spread)
     r = transform.residual(new, ref, *how)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(frames, "native", None)
         expected = transform.residual(new, ref, *how)
         by_numpy = transform.apply_residual(ref, expected, *how)
+        undone_by_numpy = transform.apply_residual(new, expected, *how, undo=True)
     assert torch.equal(r, expected)
     assert torch.equal(transform.apply_residual(ref, r, *how), new)
     assert torch.equal(by_numpy, new)
+    # and back: the reference from the words the residual was taken of
+    assert torch.equal(transform.apply_residual(new, r, *how, undo=True), ref)
+    assert torch.equal(undone_by_numpy, ref)
 
 
 @given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 70_000), seed=st.integers(0, 2**31),

@@ -323,6 +323,80 @@ def test_a_rebuild_hands_over_the_earlier_steps_it_goes_through(tmp_path) -> Non
     assert seen[True] and seen[False]
 
 
+def words_back_states(steps: int) -> list[dict[str, torch.Tensor]]:
+    """Steps whose deltas are coded each way a writer's words can be taken back through:
+    dense differences (``w``), dense XOR (``i``), sparse XOR (``b``), and a frozen tensor."""
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(20000, generator=g),
+             "i": torch.randint(-2**30, 2**30, (20000,), generator=g, dtype=torch.int32),
+             "b": torch.randn(20000, generator=g).bfloat16(), "frozen": torch.arange(100)}
+    out = []
+    for _ in range(steps):
+        out.append({k: v.clone() for k, v in state.items()})
+        state["w"] = state["w"] * (1 + 1e-4 * torch.randn(20000, generator=g))
+        state["i"] = state["i"] ^ torch.randint(0, 4, (20000,), generator=g, dtype=torch.int32)
+        state["b"] = state["b"].index_put((torch.randint(0, 20000, (50,), generator=g),),
+                                          torch.randn(50, generator=g).bfloat16())
+    return out
+
+
+def test_a_rebase_takes_a_steps_words_back_from_the_writers_words_of_the_step_after(
+        tmp_path, monkeypatch) -> None:
+    """Removing the step that the oldest kept step reads from, right after a save (as a
+    retention policy does), re-keys the kept step with its words taken from the writer's
+    words of the step after it, each delta undone, instead of rebuilding its lineage."""
+    url = str(tmp_path / "r")
+    states = words_back_states(3)
+    rebuilt: list[tuple[int, list[str]]] = []
+    materialize = Chain.materialize
+    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+        rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
+    ck = tpde.Checkpointer(url)
+    for step, state in enumerate(states):
+        ck.save(step, state)
+    codings = {r.name: (r.codec, r.residual) for r in ck.chain.manifest(2).records}
+    assert codings == {"w": ("dense", "sub"), "i": ("dense", "xor"), "b": ("sparse", "xor"),
+                       "frozen": ("same", None)}
+    rebuilt.clear()
+    report = ck.remove(0)
+    # (step 2's frozen tensor points at its data anew: step 0 held it)
+    assert report.rebased_steps == [1, 2] and ck.chain.manifest(1).keyframe
+    assert rebuilt == []  # nothing rebuilt from the chain
+    ck.close()
+    reader = tpde.Checkpointer(url)
+    assert reader.steps() == [1, 2]
+    for step in (1, 2):
+        assert_same(states[step], reader.load(step))
+
+
+def test_a_damaged_record_of_the_step_after_leaves_a_rebase_to_rebuild_the_lineage(
+        tmp_path, monkeypatch) -> None:
+    """Words taken back through a damaged record would not hash to the re-based step's
+    record: that tensor is rebuilt from its lineage instead, and the step stays exact."""
+    url = str(tmp_path / "r")
+    states = words_back_states(3)
+    ck = tpde.Checkpointer(url)
+    for step, state in enumerate(states):
+        ck.save(step, state)
+    m = ck.chain.manifest(2)
+    values = m.record("w").sections["values"]
+    path = os.path.join(url, m.blob)
+    with open(path, "r+b") as f:  # a byte of the last frame's compressed residual
+        f.seek(values.offset + values.length - 8)
+        byte = f.read(1)
+        f.seek(values.offset + values.length - 8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    rebuilt: list[tuple[int, list[str]]] = []
+    materialize = Chain.materialize
+    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+        rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
+    ck.remove(0)
+    assert rebuilt == [(1, ["w"])]  # the others were taken back
+    ck.close()
+    assert_same(states[1], tpde.Checkpointer(url).load(1))
+    assert [p.step for p in tpde.Checkpointer(url).verify()] == [2]  # the damage, named
+
+
 @pytest.mark.parametrize("resident", ["host", "store"])
 def test_a_mount_computes_on_through_a_rebase_of_what_it_reads(tmp_path, resident: str) -> None:
     url = str(tmp_path / "r")

@@ -21,7 +21,9 @@
  * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
  * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
  * calls them, and numpy's path takes the others). Modes: 0 store, 1 XOR, 2 the zigzagged
- * difference of the order-preserving integer images of floats, 3 that of integers.
+ * difference of the order-preserving integer images of floats, 3 that of integers; join and
+ * apply also take 4 and 5, modes 2 and 3 undone (the words before a difference, from the words
+ * after it: a re-base takes a step's words back from the step after it).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -62,7 +64,7 @@
 #define WIDE
 #endif
 
-enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3 };
+enum { STORE = 0, XOR = 1, SUB_FLOAT = 2, SUB_INT = 3, UNSUB_FLOAT = 4, UNSUB_INT = 5 };
 enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when split into planes */
 
 #define WORDS(T, S, W)                                                                      \
@@ -79,6 +81,8 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         case STORE: return r;                                                               \
         case XOR: return w ^ r;                                                             \
         case SUB_FLOAT: return order_##W((T)(order_##W(w) + unzig_##W(r)));                 \
+        case UNSUB_FLOAT: return order_##W((T)(order_##W(w) - unzig_##W(r)));               \
+        case UNSUB_INT: return (T)(w - unzig_##W(r));                                       \
         default: return (T)(w + unzig_##W(r));                                              \
         }                                                                                   \
     }                                                                                       \
@@ -102,6 +106,12 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         case SUB_FLOAT:                                                                     \
             for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_FLOAT); \
             break;                                                                          \
+        case UNSUB_FLOAT:                                                                   \
+            for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), UNSUB_FLOAT); \
+            break;                                                                          \
+        case UNSUB_INT:                                                                     \
+            for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), UNSUB_INT); \
+            break;                                                                          \
         default:                                                                            \
             for (j = 0; j < m; j++) w[j] = applied_##W(w[j], joined_##W(planes, m, j), SUB_INT); \
         }                                                                                   \
@@ -114,6 +124,8 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         switch (mode) {                                                                     \
         case XOR: for (j = 0; j < m; j++) w[j] ^= r[j]; break;                              \
         case SUB_FLOAT: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_FLOAT); break; \
+        case UNSUB_FLOAT: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], UNSUB_FLOAT); break; \
+        case UNSUB_INT: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], UNSUB_INT); break; \
         default: for (j = 0; j < m; j++) w[j] = applied_##W(w[j], r[j], SUB_INT);           \
         }                                                                                   \
     }                                                                                       \
@@ -271,8 +283,9 @@ static int fail(const char *why) {
 }
 
 /* Words of `width` bytes in `b`, as many bytes in `a`, a mode in range. */
-static int check_words(Py_buffer *a, Py_buffer *b, int width, int mode, int lowest) {
-    if (mode < lowest || mode > SUB_INT) return fail("no such residual");
+static int check_words(Py_buffer *a, Py_buffer *b, int width, int mode, int lowest,
+                       int highest) {
+    if (mode < lowest || mode > highest) return fail("no such residual");
     if (a->len != b->len || b->len % (width > 0 ? width : 1)) return fail("words differ in size");
     if (!words_fit(b->buf, width) || !words_fit(a->buf, width))
         return fail("words not aligned to a width of 1, 2, 4 or 8 bytes on a little-endian host");
@@ -319,7 +332,7 @@ static PyObject *join(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_ssize_t m = 0;
-    if (mode < STORE || mode > SUB_INT) bad = fail("no such residual");
+    if (mode < STORE || mode > UNSUB_INT) bad = fail("no such residual");
     else if (!words_fit(rows.buf, width))
         bad = fail("words not aligned to a width of 1, 2, 4 or 8 bytes on a little-endian host");
     else if (PySequence_Fast_GET_SIZE(fast) != width || rows.len % width)
@@ -352,7 +365,7 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     Py_buffer residual, rows;
     int width, mode;
     if (!PyArg_ParseTuple(args, "y*iw*i", &residual, &width, &rows, &mode)) return NULL;
-    int bad = check_words(&residual, &rows, width, mode, XOR);
+    int bad = check_words(&residual, &rows, width, mode, XOR, UNSUB_INT);
     if (!bad) {
         const unsigned char *p = (const unsigned char *)residual.buf;
         unsigned char *r = (unsigned char *)rows.buf;
@@ -374,10 +387,10 @@ static PyObject *diff(PyObject *self, PyObject *args) {
     int width, mode;
     Py_ssize_t cap = 0;
     if (!PyArg_ParseTuple(args, "y*y*iw*i|n", &a, &b, &width, &out, &mode, &cap)) return NULL;
-    int bad = check_words(&a, &b, width, mode, XOR);
+    int bad = check_words(&a, &b, width, mode, XOR, SUB_INT);
     Py_ssize_t m = bad ? 0 : a.len / width;
     if (!bad && !cap)
-        bad = check_words(&a, &out, width, mode, XOR);
+        bad = check_words(&a, &out, width, mode, XOR, SUB_INT);
     else if (!bad && (cap < m || cap > out.len / width || out.len < cap * width))
         bad = fail("planes out of range of the words");
     if (!bad) {
@@ -409,7 +422,7 @@ static PyObject *changed(PyObject *self, PyObject *args) {
     int width;
     PyObject *where = Py_None, *planes = Py_None;
     if (!PyArg_ParseTuple(args, "y*y*i|OO", &a, &b, &width, &where, &planes)) return NULL;
-    int bad = check_words(&a, &b, width, XOR, XOR);
+    int bad = check_words(&a, &b, width, XOR, XOR, XOR);
     Py_ssize_t c = 0, m = width > 0 ? b.len / width : 0;
     if (!bad && where != Py_None) {
         if (PyObject_GetBuffer(where, &out, PyBUF_WRITABLE) < 0) bad = -1;
@@ -452,12 +465,14 @@ static PyMethodDef methods[] = {
      "take(rows, width, k, first, out): byte k of words first.. of rows into out."},
     {"join", join, METH_VARARGS,
      "join(parts, width, rows, mode): words from a part of each of their byte planes (byte k "
-     "of word j is parts[k][j]), stored (mode 0) or applied to rows as a residual (modes 1-3)."},
+     "of word j is parts[k][j]), stored (mode 0) or applied to rows as a residual (modes 1-3; "
+     "4-5 undo 2-3)."},
     {"diff", diff, METH_VARARGS,
      "diff(new, ref, width, out, mode, cap=0): the residual (modes 1-3) of new against ref; "
      "with cap, as byte planes, plane k at out[k * cap:]."},
     {"apply", apply, METH_VARARGS,
-     "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows."},
+     "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows "
+     "(4-5: modes 2-3 undone)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -213,7 +213,7 @@ class Checkpointer:
         """A step removed while it was this writer's reference goes once it no longer is."""
         if self.chain.is_hidden(former):
             self.chain.collect(keep=self._keep(), settings=self.settings,
-                               keyframe_every=self.keyframe_every)
+                               keyframe_every=self.keyframe_every, later=self._reference)
 
     def next_step(self) -> int:
         """One past the highest step ever committed here, taken under this writer's lease."""
@@ -302,7 +302,8 @@ class Checkpointer:
         self._deferred.clear()
         self._plain = None
         return self.chain.gc(grace_seconds=grace_seconds, keep=self._keep(),
-                             settings=self.settings, keyframe_every=self.keyframe_every)
+                             settings=self.settings, keyframe_every=self.keyframe_every,
+                             later=self._reference)
 
     def _keep(self) -> Iterable[int]:
         """The step the next delta is coded against, kept even when hidden."""
@@ -318,7 +319,7 @@ class Checkpointer:
                 self._deferred.clear()
                 self._plain = None
                 report = self.chain.collect(settings=self.settings,
-                                            keyframe_every=self.keyframe_every)
+                                            keyframe_every=self.keyframe_every, later=former)
         self.lease.release()
         return report
 

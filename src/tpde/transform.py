@@ -87,7 +87,8 @@ def stream_words(stream: unframe.Frames | unframe.Framed, word_dtype: torch.dtyp
 
 
 def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, how: str,
-                   kind: str, threads: int | None = None) -> torch.Tensor:
+                   kind: str, threads: int | None = None, *, undo: bool = False
+                   ) -> torch.Tensor:
     """``apply_residual`` in place with the residual read from its frames a slice at a time:
     beside ``ref`` a decode holds one slice and the few frames under it, per thread.
 
@@ -97,13 +98,13 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
     (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
     fp32 delta: ``benchmarks/README.md``). With ``tpde._planes`` a slice's residual words are
     joined from their planes and applied in the same pass: a step 15 dense deltas deep
-    restored in 0.69 s instead of 0.92.
+    restored in 0.69 s instead of 0.92. ``undo``: as ``apply_residual``'s.
     """
     n, width = ref.numel(), ref.element_size()
     if stream.raw != n * width:
         raise FormatError(f"dense residual holds {stream.raw} bytes where {n * width} are "
                           f"expected")
-    mode = residual_mode(how, kind)
+    mode = residual_mode(how, kind, undo=undo)
     fused = native_rows(ref)  # ref's words, where a slice is joined and applied in C
     if isinstance(stream, unframe.Frames) and stream.raw <= unframe.WHOLE_BYTES:
         parts = unframe.whole(stream)
@@ -112,7 +113,7 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
         else:
             r = torch.empty_like(ref)
             unframe.join_whole(parts, r.view(torch.uint8).numpy().reshape(n, width))
-            apply_residual(ref, r, how, kind, inplace=True)
+            apply_residual(ref, r, how, kind, inplace=True, undo=undo)
         return ref
     per = stream.chunk  # words per slice: each plane's part spans at most two frames
 
@@ -130,7 +131,7 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
             r, tmp = (torch.from_numpy(scratch[b * m * width : (b + 1) * m * width])
                       .view(ref.dtype) for b in (1, 2))
             unframe.join(planes, r.view(torch.uint8).numpy().reshape(m, width))
-            apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp)
+            apply_residual(ref[lo : lo + m], r, how, kind, inplace=True, tmp=tmp, undo=undo)
 
     unframe.by_slices(stream, n, work, threads=threads)
     return ref
@@ -212,17 +213,20 @@ def _residual_host(new: np.ndarray, ref: np.ndarray, kind: str, out: np.ndarray)
 
 
 def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
-                   inplace: bool = False, tmp: torch.Tensor | None = None) -> torch.Tensor:
+                   inplace: bool = False, tmp: torch.Tensor | None = None, undo: bool = False
+                   ) -> torch.Tensor:
     """Inverse of ``residual``, on host words (a device's are rebuilt by ``tpde.kernels``).
     With ``inplace`` both ``ref`` and ``r`` are overwritten; ``tmp`` (words shaped as ``r``) is
-    used for the temporaries instead of a new tensor.
+    used for the temporaries instead of a new tensor. With ``undo`` it is ``residual``'s
+    reference that is rebuilt, from the words the residual was taken of (``ref`` here): XOR
+    undoes itself, and a difference is taken off instead of added.
 
     In one pass by ``tpde._planes`` where it is built, otherwise with numpy; not torch: a
     restore applies residuals on its frame threads, where torch's own intra-op threads would
     oversubscribe the cores (a 200 MB delta step restored 15-20% faster with numpy here than
     with torch).
     """
-    mode = residual_mode(how, kind)
+    mode = residual_mode(how, kind, undo=undo)
     out = ref if inplace else ref.clone()
     rows = native_rows(out, r)
     if rows:  # one pass in C, without the GIL
@@ -241,17 +245,18 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     np.bitwise_xor(d, t, out=d)
     if kind == "float":
         _order_host(words, t)
-    np.add(words, d, out=words)  # wraps, as the residual's difference did
+    (np.subtract if undo else np.add)(words, d, out=words)  # wraps, as the difference did
     if kind == "float":
         _order_host(words, t)
     return out
 
 
-def residual_mode(how: str, kind: str) -> int:
-    """A residual as ``_planes`` names it (``_planes.c``: 1 XOR, 2 and 3 differences)."""
+def residual_mode(how: str, kind: str, *, undo: bool = False) -> int:
+    """A residual as ``_planes`` names it (``_planes.c``: 1 XOR, 2 and 3 differences; 4 and 5
+    those differences undone)."""
     if how not in ("xor", "sub") or (how == "sub" and kind == "raw"):
         raise FormatError(f"unknown residual {how!r} for {kind} words")
-    return 1 if how == "xor" else 2 if kind == "float" else 3
+    return 1 if how == "xor" else (2 if kind == "float" else 3) + (2 if undo else 0)
 
 
 def _order_host(words: np.ndarray, tmp: np.ndarray, out: np.ndarray | None = None) -> None:
