@@ -113,6 +113,12 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.apply(np.zeros(40, dtype=np.uint8), 4, rows, 0)  # no residual to apply
     with pytest.raises(ValueError):
         frames.native.diff(np.zeros(40, dtype=np.uint8), rows, 4, rows, 7)  # no such residual
+    with pytest.raises(ValueError):  # a difference undone is applied, never taken
+        frames.native.diff(np.zeros(40, dtype=np.uint8), rows, 4, rows, 4)
+    with pytest.raises(ValueError):
+        frames.native.apply(np.zeros(40, dtype=np.uint8), 4, rows, 6)  # no such residual
+    with pytest.raises(ValueError):
+        frames.native.join([bytes(10)] * 4, 4, rows, 6)
     with pytest.raises(ValueError):
         frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
     planes = np.empty(40, dtype=np.uint8)

@@ -195,7 +195,10 @@ class Retainer(Writer):
         not match is rebuilt from the chain as any other."""
         if later is None or not later.held or later.at or self.deltas_against() != PREVIOUS:
             return {}  # (against keyframes the words held are the keyframes')
-        m = self.manifest(later.step)
+        manifests = self.lazy()
+        m = manifests.get(later.step)
+        if m is None:  # gone (another process's gc): the lineage rebuilds every one
+            return {}
         jobs: list[tuple[Record, Record, torch.Tensor, dict | None]] = []
         undo: list[tuple[Record, Record, torch.Tensor]] = []  # a residual to undo first
         for r in recs:
@@ -206,7 +209,8 @@ class Retainer(Writer):
             if later.step == step or (h.codec == "same" and holder(later.step, h) == step):
                 jobs.append((r, h, words, None))
             elif h.codec in ("dense", "sparse") and h.error is None and h.ref is not None:
-                below = self.manifest(h.ref).record(r.name)
+                held_at = manifests.get(h.ref)
+                below = held_at.record(r.name) if held_at is not None else None
                 if below is not None and holder(h.ref, below) == step:
                     undo.append((r, h, words))
         fetched = self._fetch(m, [h for _, h, _ in undo])
