@@ -346,6 +346,9 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
                     threads=threads, undo=True)
             assert torch.equal(applied, new)
             assert torch.equal(undone, ref)
+            whole = unframe.decompress(list(sec.frames), sec.raw, sec.chunk)
+            assert torch.equal(decoder.decode("dense", how, {"values": whole}, new.clone(), n,
+                                              word, kind, undo=True), ref)
 
 
 @PLANES

@@ -60,7 +60,7 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
            n: int, word_dtype: torch.dtype, kind: str,
            positions: np.ndarray | None = None, inplace: bool = False,
            backend: CPU | None = None, grid: tuple[str, float, str] | None = None,
-           dest: torch.Tensor | None = None) -> torch.Tensor:
+           dest: torch.Tensor | None = None, undo: bool = False) -> torch.Tensor:
     """Rebuild ``n`` words from decompressed sections and the reference words.
 
     ``positions`` may carry a sparse record's already decoded position stream (callers decode
@@ -70,7 +70,12 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     is a ``quant`` record's (grid, scale, dtype name).
     ``dest`` is where a keyframe record's words may be decoded (host words, ``n`` of them),
     when its frames allow it; callers check where the words came back.
+    With ``undo`` (a delta on the host) ``ref`` holds the words the record rebuilds, and the
+    words it was coded against come back: a re-base takes a step's words back from the step
+    after it. XOR undoes itself; a difference is taken off.
     """
+    if undo and (backend is not None or codec not in ("dense", "sparse")):
+        raise ValueError(f"only a host delta can be undone, not a {codec} record")
     do = backend or CPU()
     if codec == "quant":
         return _decode_quant(do, sections, ref, n, word_dtype, grid)
@@ -88,12 +93,14 @@ def decode(codec: str, how: str | None, sections: dict[str, bytes | bytearray], 
     if codec == "dense" and not ref.is_cuda and isinstance(values, (unframe.Framed,
                                                                      unframe.Frames)):
         return apply_streamed(ref if inplace else ref.clone(), sections.pop("values"), how or "",
-                              kind)
+                              kind, undo=undo)
     r = do.words(sections, "values", word_dtype)
     out = ref if inplace or backend is not None else ref.clone()
     if codec == "dense":
         if r.numel() != n:
             raise FormatError(f"dense residual holds {r.numel()} words where {n} are expected")
+        if undo:
+            return apply_residual(out, r, how or "", kind, inplace=True, undo=True)
         return do.dense(out, r, how or "", kind)
     if codec == "sparse":
         if how != "xor":

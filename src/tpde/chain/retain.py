@@ -18,7 +18,7 @@ from typing import Iterable
 
 import torch
 
-from .. import codec, decoder, dtypes, frames, transform
+from .. import codec, decoder, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
 from ..manifest import Manifest, Record, collector_paused, format_for, hash_matches
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name, numbered
@@ -188,7 +188,7 @@ class Retainer(Writer):
         """The words of ``recs`` (records of ``step``) taken back from a writer's words of a
         later step, where that step's record of the tensor is unchanged from ``step``'s words
         or an exact delta against them: none decoded, or one delta undone
-        (``transform.apply_streamed(..., undo=True)``), instead of the lineage from a
+        (``decoder.decode(..., undo=True)``), instead of the lineage from a
         keyframe. A retention run re-bases the oldest kept step right after a save whose words
         the writer holds: on G, 19 ms a re-base against 35-40 for a keyframe and a delta
         decoded per re-coded tensor. Each is checked against its record's hash; one that does
@@ -331,15 +331,10 @@ def _taken_back(r: Record, h: Record, words: torch.Tensor, framed: dict | None
     where that fails or the result does not hash to ``r``'s hash."""
     if framed is not None:
         dt = dtypes.by_name(h.dtype)
-        n = h.numel * dt.words_per_element
-        try:
-            secs = decompress(h, framed, "fused")
-            if h.codec == "dense":  # joined from the frames and undone in one pass, in C
-                words = transform.apply_streamed(words.clone(), secs.pop("values"),
-                                                 h.residual or "", dt.kind, undo=True)
-            else:  # a sparse record's XOR undoes itself
-                words = decoder.decode(h.codec, h.residual, secs, words.clone(), n,
-                                       dt.word_dtype, dt.kind, inplace=True)
+        try:  # a dense residual is joined from its frames and undone in one pass
+            words = decoder.decode(h.codec, h.residual, decompress(h, framed, "fused"),
+                                   words.clone(), h.numel * dt.words_per_element,
+                                   dt.word_dtype, dt.kind, inplace=True, undo=True)
         except TPDEError:  # that record is damaged: the lineage rebuilds it, and says so
             return None
     return words if hash_matches(words.view(torch.uint8).numpy(), r.hash) else None

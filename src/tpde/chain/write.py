@@ -184,11 +184,22 @@ class Writer(Reader):
         since_key: dict[str, int] = {}
         deepest = 0
 
-        def encode(piece: Piece) -> Encoded:
+        def words_of(piece: Piece) -> tuple[dtypes.DType, torch.Tensor]:
             dt = dtypes.of_tensor(piece.span.tensor, name=piece.span.name)
             w = dt.words_per_element
             words = transform.to_words(piece.span.tensor.detach(), dt.word_dtype)
-            words = words[piece.lo * w : piece.hi * w]
+            return dt, words[piece.lo * w : piece.hi * w]
+
+        def same(piece: Piece, dt: dtypes.DType, host: torch.Tensor | None,
+                 enc: codec.Encoding, bound: quant.Bound | None, src: int) -> Encoded:
+            """Bit-identical to ``src``'s words, whose hash is known: a repeated save hashes
+            nothing, and the record points where that step's data is."""
+            held = self.manifest(src).record(piece.name)
+            return Encoded(dt, host if keep_reference else None, enc, held.hash, bound,
+                           holder(src, held), 0 if star else depths[piece.name], src)
+
+        def encode(piece: Piece) -> Encoded:
+            dt, words = words_of(piece)
             ref_words = spare = reference.words.pop(piece.name, None) if reference else None
             src = None if piece.name in keyed or prev_m is None else \
                 sources[piece.name] if star else prev_m.step
@@ -229,10 +240,7 @@ class Writer(Reader):
             else:
                 host = words
             if enc.codec == "same":
-                # Bit-identical to words whose hash is known: a repeated save hashes nothing.
-                held = self.manifest(src).record(piece.name)
-                return Encoded(dt, host if keep_reference else None, enc, held.hash, bound,
-                               holder(src, held), 0 if star else depths[piece.name], src)
+                return same(piece, dt, host, enc, bound, src)
             if enc.words is not None:
                 digest = record_hash(enc.words.to("cpu").view(torch.uint8).numpy())
             elif digest is None:  # (taken already of the same words where it was compared)
@@ -254,24 +262,17 @@ class Writer(Reader):
             if not repeat or piece.name in keyed or piece.nbytes > UNCHANGED_BYTES:
                 return None
             ref_words = reference.words.get(piece.name)
-            tensor = piece.span.tensor
-            if ref_words is None or tensor.is_cuda or ref_words.is_cuda:
+            if ref_words is None or piece.span.tensor.is_cuda or ref_words.is_cuda:
                 return None
-            dt = dtypes.of_tensor(tensor, name=piece.span.name)
-            w = dt.words_per_element
-            words = transform.to_words(tensor.detach(), dt.word_dtype)
-            words = words[piece.lo * w : piece.hi * w]
+            dt, words = words_of(piece)
             if ref_words.dtype != words.dtype or ref_words.shape != words.shape \
                     or not torch.equal(words, ref_words):
                 repeat = False
                 return None
             del reference.words[piece.name]
-            src = prev_m.step
-            held = self.manifest(src).record(piece.name)
-            bound = bounds(piece.span.name) if bounds is not None else None
-            return Encoded(dt, ref_words if keep_reference else None,
-                           codec.Encoding("same", choice=reference.choices.get(piece.name)),
-                           held.hash, bound, holder(src, held), depths[piece.name], src)
+            return same(piece, dt, ref_words,
+                        codec.Encoding("same", choice=reference.choices.get(piece.name)),
+                        bounds(piece.span.name) if bounds is not None else None, prev_m.step)
 
         def commit(piece: Piece, done: Encoded) -> None:
             nonlocal deepest
