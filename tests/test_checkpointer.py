@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import tpde
 from helpers import assert_same, decode_depths
-from tpde import store
+from tpde import codec, store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
 
@@ -478,6 +478,41 @@ def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_
                         for r in m.records])
                       for m in (reader.chain.manifest(s) for s in reader.steps())]
     assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("against", ["previous", "keyframe"])
+def test_pieces_coded_together_get_the_records_they_get_coded_alone(against: str,
+                                                                   monkeypatch) -> None:
+    """A save codes its small keyframes and dense deltas in batches (``codec.encode_many``):
+    its manifests and restored steps are those of the same run with every piece coded alone."""
+    runs = {}
+    for together in (True, False):
+        monkeypatch.setattr(codec, "MANY_BYTES", 1 << 20 if together else 0)
+        g = torch.Generator().manual_seed(3)
+        state = {f"w{k}": torch.randn(64, 32 * (k + 1), generator=g) for k in range(6)}
+        state |= {"b": torch.randn(300_000, generator=g), "i": torch.arange(500),
+                  "h": torch.randn(5000, generator=g).bfloat16(), "s": torch.zeros(40_000)}
+        url = f"memory://tpde-together/{os.urandom(6).hex()}"
+        ck = tpde.Checkpointer(url, deltas_against=against, keyframe_every=4)
+        saved = {}
+        for step in range(7):
+            for k in range(6):
+                state[f"w{k}"] = state[f"w{k}"] - 1e-3 * torch.randn(state[f"w{k}"].shape,
+                                                                      generator=g)
+            state["b"] = state["b"] * 1.0001
+            state["h"] = state["h"] + 0.01
+            state["s"][torch.randint(0, 40_000, (30,), generator=g)] += 1
+            ck.save(step, state)
+            saved[step] = copy.deepcopy(state)
+        ck.close()
+        reader = tpde.Checkpointer(url)
+        for step, want in saved.items():
+            assert_same(want, reader.load(step))
+        runs[together] = [[(r.name, r.codec, r.ref, r.hash, r.residual, r.count,
+                            r.stored_bytes) for r in m.records]
+                          for m in (reader.chain.manifest(s) for s in reader.steps())]
+    assert runs[True] == runs[False]
+    assert {r[1] for m in runs[True] for r in m} >= {"key", "dense", "sparse"}
 
 
 def sparse_states(steps: int):

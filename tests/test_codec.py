@@ -124,6 +124,66 @@ def test_any_carried_choice_round_trips(name: str, n: int, density: float, optio
         assert enc.choice.option == (enc.codec, enc.residual)
 
 
+def same_encoding(a: codec.Encoding, b: codec.Encoding) -> bool:
+    return (a.codec, a.residual, a.count, a.choice, a.sections.keys()) == \
+        (b.codec, b.residual, b.count, b.choice, b.sections.keys()) and all(
+            (s.raw, s.chunk, [bytes(f) for f in s.frames])
+            == (b.sections[k].raw, b.sections[k].chunk, [bytes(f) for f in b.sections[k].frames])
+            for k, s in a.sections.items())
+
+
+job = st.tuples(st.sampled_from(["float32", "bfloat16", "int32", "uint8", "float64"]),
+                st.integers(0, 70_000), st.sampled_from([0.0, 0.1, 0.6, 1.0]),
+                st.sampled_from([None, "same shape", "other shape"]),
+                st.one_of(st.none(), st.builds(codec.Choice, st.sampled_from(OPTIONS),
+                                               st.floats(0.01, 8.0), st.floats(0.01, 8.0),
+                                               st.floats(0.0, 1.0),
+                                               st.integers(0, codec.REVALIDATE))))
+
+
+@given(st.lists(job, min_size=1, max_size=6), st.sampled_from([SMALL, codec.Settings()]),
+       st.integers(0, 2**31))
+def test_a_batch_codes_each_tensor_as_it_is_coded_alone(jobs: list, settings: codec.Settings,
+                                                       seed: int) -> None:
+    """``encode_many`` codes keyframes, carried dense choices and small dense deltas weighed in
+    full exactly as ``encode`` codes each alone (the same choice, the same frames), and leaves
+    the others (None) to it."""
+    made = []
+    for k, (name, n, density, ref_of, choice) in enumerate(jobs):
+        dt = dtypes.BY_NAME[name]
+        ref = random_tensor(dt, (n,), seed + k)
+        new = ref.view(torch.uint8).clone()
+        g = torch.Generator().manual_seed(seed + k + 1)
+        new[torch.rand(new.numel(), generator=g) < density] ^= 1
+        nw = transform.to_words(new.view(dt.torch_dtype), dt.word_dtype)
+        rw = None if ref_of is None else transform.to_words(ref, dt.word_dtype)
+        if ref_of == "other shape":
+            rw = rw[: n // 2]
+        made.append((nw, rw, dt.kind, choice))
+    for j, got in zip(made, codec.encode_many(made, settings)):
+        alone = codec.encode(*j[:3], settings, choice=j[3])
+        assert got is None or same_encoding(got, alone)
+        if j[1] is None and 0 < j[0].numel() * j[0].element_size() <= codec.MANY_BYTES:
+            assert got is not None  # a keyframe is always coded in the batch
+
+
+def test_a_batch_leaves_sparse_and_sampled_deltas_to_be_weighed_alone() -> None:
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(40_000, generator=g).view(torch.int32)
+    dense, sparse = ref ^ 1, ref.clone()
+    sparse[:100] ^= 1
+    mid = torch.randn(codec.EXACT_CHOICE_BYTES // 4 + 1, generator=g).view(torch.int32)
+    large = torch.randn(codec.MANY_BYTES // 4 + 1, generator=g).view(torch.int32)
+    due = codec.Choice(("dense", "sub"), 1.0, 4.0, 1.0, codec.REVALIDATE)
+    got = codec.encode_many([(sparse, ref, "float", None), (mid ^ 1, mid, "float", due),
+                             (large ^ 1, large, "float", None), (large, None, "float", None),
+                             (dense, ref, "float", due), (ref, ref, "float", due)])
+    # weighed alone: a sparse coding, samples of a mid-size tensor, anything larger
+    assert got[:4] == [None, None, None, None]
+    assert got[4] is not None and got[4].choice is not None and got[4].choice.uses == 0
+    assert got[5] is not None and got[5].codec == "same" and got[5].choice == due
+
+
 def _drifting(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     ref = torch.randn(100_000, generator=g)
@@ -257,6 +317,20 @@ def test_frames_round_trip(data: bytes, chunk: int) -> None:
     sec = frames.compress(data, chunk=chunk)
     assert len(sec.frames) == len(frames.raw_sizes(len(data), chunk))
     assert unframe.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == data
+
+
+@given(st.lists(st.tuples(st.binary(max_size=70_000), st.sampled_from([4096, 5000, 65536])),
+                max_size=5), st.sampled_from([None, 1, 3]), st.sampled_from([1, 2]))
+def test_streams_compressed_together_are_compressed_as_alone(streams: list, level, threads: int
+                                                              ) -> None:
+    arrays = [(np.frombuffer(d, dtype=np.uint8), c) for d, c in streams]
+    together = frames.compress_many(arrays, level=level, threads=threads)
+    for (data, chunk), sec in zip(arrays, together):
+        alone = frames.compress(data, level=level, chunk=chunk)
+        assert (sec.raw, sec.chunk, [bytes(f) for f in sec.frames]) == \
+            (alone.raw, alone.chunk, [bytes(f) for f in alone.frames])
+    with pytest.raises(ValueError):
+        frames.compress_many([(np.zeros(10, dtype=np.uint8), frames.MIN_CHUNK - 1)])
 
 
 def test_frames_refuse_a_frame_declaring_a_huge_size() -> None:

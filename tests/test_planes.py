@@ -75,6 +75,21 @@ def test_changed_words_are_numpy_s(width: int, n: int, seed: int, density: float
             frames.native.changed(*rows, width, out, planes[:-1])
 
 
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 5000), seed=st.integers(0, 2**31))
+def test_the_words_own_planes_in_c_are_numpy_s(width: int, n: int, seed: int) -> None:
+    """Mode 0 of ``diff``: the words themselves (a keyframe coded in a batch), as their byte
+    planes with a plane size, as they are without; the reference is not read."""
+    rows = np.random.default_rng(seed).integers(0, 256, size=(n, width), dtype=np.uint8)
+    other = np.full_like(rows, 7)
+    planes = np.full(n * width + 3, 0xAA, dtype=np.uint8)  # room past the planes, untouched
+    frames.native.diff(rows, other, width, planes, 0, n)
+    assert np.array_equal(planes[: n * width].reshape(width, n), rows.T)
+    assert (planes[n * width :] == 0xAA).all()
+    words = np.empty_like(rows)
+    frames.native.diff(rows, other, width, words, 0)
+    assert np.array_equal(words, rows)
+
+
 @PATHS
 @given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 3000), seed=st.integers(0, 2**31),
        data=st.data())
@@ -123,7 +138,7 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.join(np.zeros(40, dtype=np.uint8), 3, np.zeros(40, dtype=np.uint8), 0)
     planes = np.empty(40, dtype=np.uint8)
     with pytest.raises(ValueError):
-        frames.native.diff(rows, rows, 4, planes, 0, 10)  # a residual needs a residual's mode
+        frames.native.diff(rows, rows, 4, planes, -1, 10)  # no such mode
     with pytest.raises(ValueError):
         frames.native.diff(rows, rows[:9], 4, planes, 1, 10)  # a reference of other words
     with pytest.raises(ValueError):

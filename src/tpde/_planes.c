@@ -12,9 +12,9 @@
  *   join(parts, width, rows, mode)     words from their parts of all planes at once (a restore's
  *                                      slice, straight from the decompressed frames), stored, or
  *                                      applied as a residual to the words in rows
- *   diff(new, ref, width, out, mode, cap=0)  the residual of new against ref; with cap, its
- *                                      byte planes all at once (a save's slice), plane k at
- *                                      out + k * cap
+ *   diff(new, ref, width, out, mode, cap=0)  the residual of new against ref (mode 0: new
+ *                                      itself); with cap, its byte planes all at once (a save's
+ *                                      slice, or a batch's keyframe), plane k at out + k * cap
  *   apply(residual, width, rows, mode) a residual's words applied to rows
  *   changed(new, ref, width, out=None) how many words differ, and where (a sparse delta)
  *
@@ -195,6 +195,10 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
     LOOP void split_##W(const unsigned char *new_, const unsigned char *ref_, Py_ssize_t m, \
                         unsigned char *out, Py_ssize_t cap, int mode) {                     \
         T block[SPLIT_BLOCK];                                                               \
+        if (mode == STORE) { /* the words' own planes: nothing to work out first */         \
+            spread_##W((const T *)new_, m, out, cap);                                       \
+            return;                                                                         \
+        }                                                                                   \
         for (Py_ssize_t lo = 0; lo < m; lo += SPLIT_BLOCK) {                                \
             const Py_ssize_t n = m - lo < SPLIT_BLOCK ? m - lo : SPLIT_BLOCK;               \
             diff_##W(new_ + lo * W, ref_ + lo * W, n, (unsigned char *)block, mode);        \
@@ -206,7 +210,9 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
         const T *a = (const T *)new_, *b = (const T *)ref_;                                 \
         T *o = (T *)out;                                                                    \
         Py_ssize_t j;                                                                       \
-        if (mode == XOR)                                                                    \
+        if (mode == STORE)                                                                  \
+            memcpy(o, a, (size_t)m * W);                                                    \
+        else if (mode == XOR)                                                               \
             for (j = 0; j < m; j++) o[j] = a[j] ^ b[j];                                     \
         else if (mode == SUB_FLOAT)                                                         \
             for (j = 0; j < m; j++) o[j] = zig_##W((T)(order_##W(a[j]) - order_##W(b[j]))); \
@@ -380,17 +386,18 @@ static PyObject *apply(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* diff(new, ref, width, out, mode, cap=0): the residual's words into out; with cap, its byte
- * planes, plane k at out + k * cap (a save's slice, split as it is worked out). */
+/* diff(new, ref, width, out, mode, cap=0): the residual's words (mode 0: new's own) into out;
+ * with cap, their byte planes, plane k at out + k * cap (a save's slice, split as it is worked
+ * out, or a keyframe's planes). */
 static PyObject *diff(PyObject *self, PyObject *args) {
     Py_buffer a, b, out;
     int width, mode;
     Py_ssize_t cap = 0;
     if (!PyArg_ParseTuple(args, "y*y*iw*i|n", &a, &b, &width, &out, &mode, &cap)) return NULL;
-    int bad = check_words(&a, &b, width, mode, XOR, SUB_INT);
+    int bad = check_words(&a, &b, width, mode, STORE, SUB_INT);
     Py_ssize_t m = bad ? 0 : a.len / width;
     if (!bad && !cap)
-        bad = check_words(&a, &out, width, mode, XOR, SUB_INT);
+        bad = check_words(&a, &out, width, mode, STORE, SUB_INT);
     else if (!bad && (cap < m || cap > out.len / width || out.len < cap * width))
         bad = fail("planes out of range of the words");
     if (!bad) {
@@ -468,8 +475,8 @@ static PyMethodDef methods[] = {
      "of word j is parts[k][j]), stored (mode 0) or applied to rows as a residual (modes 1-3; "
      "4-5 undo 2-3)."},
     {"diff", diff, METH_VARARGS,
-     "diff(new, ref, width, out, mode, cap=0): the residual (modes 1-3) of new against ref; "
-     "with cap, as byte planes, plane k at out[k * cap:]."},
+     "diff(new, ref, width, out, mode, cap=0): the residual (modes 1-3) of new against ref "
+     "(mode 0: new itself); with cap, as byte planes, plane k at out[k * cap:]."},
     {"apply", apply, METH_VARARGS,
      "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows "
      "(4-5: modes 2-3 undone)."},

@@ -63,6 +63,12 @@ NUMPY_WORDS = 1 << 20
 #: towards the other kind (the chain 7-10% faster, 404 bytes smaller).
 REVALIDATE, DRIFT = 8, 1.1
 
+#: The largest tensor ``encode_many`` codes with others. Larger ones are coded alone, their
+#: planes gathered frame by frame into the cache (``frames.compress_planes``): made whole, as
+#: a batch makes them, D's 47 MB embedding and its 32 MiB pieces faulted in fresh pages for
+#: every plane (D's chain saved 6% slower).
+MANY_BYTES = 1 << 20
+
 
 @dataclass
 class Settings:
@@ -201,6 +207,83 @@ def encode(new: torch.Tensor, ref: torch.Tensor | None, kind: str,
     lossy.error = quant.errors(new, lossy.words, quant.FLOATS[dtype][0])
     lossy.choice = exact.choice
     return lossy
+
+
+def encode_many(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, Choice | None]],
+                settings: Settings | None = None) -> list[Encoding | None]:
+    """``encode`` of each job (new words, reference words, kind, carried choice) of up to
+    ``MANY_BYTES`` that needs no sparse coding weighed: a keyframe (no reference of the same
+    shape); a delta whose carried dense choice still holds (``encode``'s checks); and, up to
+    ``EXACT_CHOICE_BYTES`` with more than half its words changed, a delta with its options
+    weighed in full, each of them coded, as ``encode`` weighs them. Their byte planes are split
+    in C and all compressed together (``frames.compress_many``) rather than a few frames at a
+    time between a tensor's Python under the GIL. None for every other job, and for a delta
+    that no longer stores what its choice promised: ``encode`` codes those one by one."""
+    s = settings or Settings()
+    out: list[Encoding | None] = [None] * len(jobs)
+    if frames.native is None:
+        return out
+    streams: list[tuple[np.ndarray, int]] = []
+    # job, words, changed words (-1: a keyframe), and its options with their streams' indices
+    planned: list[tuple[int, int, int, list[tuple[tuple[str, str | None], int]]]] = []
+    for i, (new, ref, kind, choice) in enumerate(jobs):
+        if ref is not None and (ref.shape != new.shape or ref.dtype != new.dtype):
+            ref = None  # coded as a keyframe, as ``encode`` codes it
+        nbytes = new.numel() * new.element_size()
+        if not 0 < nbytes <= MANY_BYTES:
+            continue
+        rows = native_rows(new) if ref is None else native_rows(new, ref.to(new.device))
+        if rows is None:
+            continue
+        n, width = rows[0].shape
+        count = -1
+        options: list[tuple[str, str | None]] = [("key", None)]
+        if ref is not None:
+            carried = choice is not None and choice.uses < REVALIDATE \
+                and choice.option[0] == "dense" and choice.option[1] in residual_kinds(kind)
+            if not carried and nbytes > EXACT_CHOICE_BYTES:
+                continue
+            count = frames.native.changed(*rows, width)
+            if count == 0:
+                out[i] = Encoding("same", choice=choice)
+                continue
+            if carried and count / n >= choice.changed / DRIFT:
+                options = [choice.option]
+            elif count <= n // 2 or nbytes > EXACT_CHOICE_BYTES:
+                continue  # a sparse coding to weigh, or samples to weigh on: ``encode``'s
+            else:
+                options += [("dense", how) for how in residual_kinds(kind)]
+        chunk = plane_chunk(n, s.chunk)
+        coded_as = []
+        for option in options:
+            planes = np.empty(n * width, dtype=np.uint8)
+            mode = 0 if option[0] == "key" else residual_mode(option[1] or "", kind)
+            frames.native.diff(rows[0], rows[-1], width, planes, mode, n)
+            coded_as.append((option, len(streams)))
+            streams.append((planes, chunk))
+        planned.append((i, n, count, coded_as))
+    coded = frames.compress_many(streams, level=s.level, threads=s.threads)
+    for i, n, count, coded_as in planned:
+        choice = jobs[i][3]
+        built = {option: coded[k] for option, k in coded_as}
+        if count < 0:
+            out[i] = Encoding("key", sections={"values": built[("key", None)]}, choice=choice)
+        elif len(built) == 1:  # the carried choice, kept while it stores what it promised
+            assert choice is not None
+            enc = Encoding("dense", choice.option[1], count, {"values": built[choice.option]})
+            if enc.stored <= DRIFT * choice.per_word * n \
+                    and enc.stored < s.key_margin * choice.key_per_word * n:
+                enc.choice = dataclasses.replace(choice, uses=choice.uses + 1)
+                out[i] = enc
+        else:  # weighed as ``encode`` weighs a small tensor's dense options against its keyframe
+            key = built.pop(("key", None))
+            best = min(built, key=lambda o: built[o].stored)  # the first of equals, as ranked
+            if built[best].stored >= s.key_margin * key.stored:
+                out[i] = Encoding("key", sections={"values": key})
+            else:
+                enc = out[i] = Encoding("dense", best[1], count, {"values": built[best]})
+                enc.choice = Choice(best, enc.stored / n, key.stored / n, count / n)
+    return out
 
 
 def _encode_quant(new: torch.Tensor, ref: torch.Tensor | None, dtype: str, bound: quant.Bound,

@@ -22,7 +22,7 @@ from .. import codec, decoder, dtypes, frames
 from ..errors import StepNotFoundError, TPDEError
 from ..manifest import Manifest, Record, collector_paused, format_for, hash_matches
 from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name, numbered
-from .decode import decompress, in_runs, pools
+from .decode import TASK_BYTES, decompress, in_runs, pools
 from .plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth, holder,
                    plan_rebase, readers_of, record_depth)
 from .write import Writer, put_sections
@@ -106,8 +106,8 @@ class Retainer(Writer):
             raise
         # Every record with data is now in the new blob (a sharded step's shards go with the
         # old blob); a sharded step keeps its DCP metadata and format.
-        records = [dataclasses.replace(new_records.get(r.name, r), shard=None)
-                   for r in old.records]
+        records = [r if r.shard is None else dataclasses.replace(r, shard=None)
+                   for r in (new_records.get(r.name, r) for r in old.records)]
         self._replace(old, self._summed(dataclasses.replace(
             old, blob=blob_rel, blob_size=writer.size, origin=old.id, shards=[],
             format=format_for(records, sharded=old.dcp is not None), records=records)))
@@ -167,8 +167,10 @@ class Retainer(Writer):
                              None if ref_words is None else self._carried(r, old.step)))
             # Coded side by side, a run of small records per task, as a save codes them: one
             # at a time, G's re-bases spent a third of their time coding on one core.
-            coded = in_runs(pools()[0].map, partial(_recode, settings=settings), jobs,
-                             [r.raw_bytes for r in recode])
+            coded = [enc for run in pools()[0].map(partial(_recode, settings=settings),
+                                                    batches(jobs, [r.raw_bytes for r in recode],
+                                                            TASK_BYTES))
+                     for enc in run]
             for r, enc in zip(recode, coded):
                 v = plan[r.name].against
                 if enc.codec == "same":
@@ -340,7 +342,11 @@ def _taken_back(r: Record, h: Record, words: torch.Tensor, framed: dict | None
     return words if hash_matches(words.view(torch.uint8).numpy(), r.hash) else None
 
 
-def _recode(words: torch.Tensor, ref: torch.Tensor | None, kind: str,
-            choice: codec.Choice | None, *, settings: codec.Settings) -> codec.Encoding:
-    """One record coded again against its new reference (None: as a keyframe)."""
-    return codec.encode(words, ref, kind, settings, choice=choice)
+def _recode(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, codec.Choice | None]], *,
+            settings: codec.Settings) -> list[codec.Encoding]:
+    """A run of records coded again against their new references (None: as keyframes): those
+    whose coding is known together (``codec.encode_many``: G's re-bases re-key a hundred small
+    tensors each), the others one by one."""
+    known = codec.encode_many(jobs, settings)
+    return [enc or codec.encode(words, ref, kind, settings, choice=choice)
+            for (words, ref, kind, choice), enc in zip(jobs, known)]

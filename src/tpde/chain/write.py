@@ -68,6 +68,21 @@ def _copy(words: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+class Started(NamedTuple):
+    """A piece about to be coded: its words, its reference's (None: a keyframe), the buffer its
+    words may be kept in, the step it is coded against, its hash where taken already, its error
+    bound and the coding it carries from its last save."""
+
+    dtype: dtypes.DType
+    words: torch.Tensor
+    ref_words: torch.Tensor | None
+    spare: torch.Tensor | None
+    source: int | None
+    digest: str | None
+    bound: quant.Bound | None
+    choice: codec.Choice | None
+
+
 class Encoded(NamedTuple):
     """One piece coded, as its record will say: ``ref`` is the step it reads from (None: a
     keyframe record), ``depth`` the deltas a restore decodes, ``source`` the step whose words
@@ -198,7 +213,10 @@ class Writer(Reader):
             return Encoded(dt, host if keep_reference else None, enc, held.hash, bound,
                            holder(src, held), 0 if star else depths[piece.name], src)
 
-        def encode(piece: Piece) -> Encoded:
+        def begin(piece: Piece) -> Started | Encoded:
+            """What a piece is coded from (its words, its reference's, the buffer its words
+            may be kept in), or its record already, where it is as saved at the reference
+            step (against keyframes: its hash tells)."""
             dt, words = words_of(piece)
             ref_words = spare = reference.words.pop(piece.name, None) if reference else None
             src = None if piece.name in keyed or prev_m is None else \
@@ -225,8 +243,16 @@ class Writer(Reader):
             if star and src is not None:
                 spare = None  # the keyframe's words stay the reference
             bound = bounds(piece.span.name) if bounds is not None else None
-            enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound, dtype=dt.name,
-                               choice=reference.choices.get(piece.name) if reference else None)
+            choice = reference.choices.get(piece.name) if reference else None
+            return Started(dt, words, ref_words, spare, src, digest, bound, choice)
+
+        def finish(piece: Piece, at: Started, enc: codec.Encoding | None) -> Encoded:
+            """The piece's record from its coding (None: coded here, every option weighed),
+            and the words the next save codes against."""
+            dt, words, ref_words, spare, src, digest, bound, choice = at
+            if enc is None:
+                enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound,
+                                   dtype=dt.name, choice=choice)
             if enc.keyed:
                 src = None
             if star and src is not None:
@@ -249,12 +275,29 @@ class Writer(Reader):
             return Encoded(dt, host if keep_reference else None, enc, digest, bound, src, deep,
                            src)
 
+        def code(batch: list[Piece], known: list[Encoded | None]) -> list[Encoded]:
+            """A batch's pieces coded: those whose coding is known before anything is
+            compressed (keyframes, and deltas whose carried choice holds) together
+            (``codec.encode_many``), the others one by one."""
+            started = [k or begin(p) for p, k in zip(batch, known)]
+            todo = [i for i, a in enumerate(started)
+                    if isinstance(a, Started) and a.bound is None]
+            coded: list[codec.Encoding | None] = [None] * len(batch)
+            if len(todo) > 1:
+                jobs = [started[i] for i in todo]
+                for i, enc in zip(todo, codec.encode_many(
+                        [(a.words, a.ref_words, a.dtype.kind, a.choice) for a in jobs],
+                        settings)):
+                    coded[i] = enc
+            return [a if isinstance(a, Encoded) else finish(p, a, coded[i])
+                    for i, (p, a) in enumerate(zip(batch, started))]
+
         repeat = not star and prev_m is not None and reference.held
 
         def unchanged(piece: Piece) -> Encoded | None:
             """While every piece so far was bit-identical to the held words of the step before
             (a step saved again, as Lightning's ``last`` is), a small host piece that is too,
-            told on this thread as ``encode`` would code it: no task for it, and no hand-off
+            told on this thread as its task would code it: no task for it, and no hand-off
             of the GIL between threads at every torch call on it: G's (211 tensors) took 18-20
             ms on the encode threads, 11-12 told here. The first piece that changed ends the
             checks: on this thread beside the encode threads they slowed a delta save."""
@@ -318,8 +361,7 @@ class Writer(Reader):
                     size = sum(p.nbytes for p in batch)
                     while pending and inflight + size > max_inflight_bytes:
                         finish_oldest()
-                    pending.append((batch, size, pool.submit(
-                        lambda b, k: [e or encode(p) for p, e in zip(b, k)], batch, known)))
+                    pending.append((batch, size, pool.submit(code, batch, known)))
                     inflight += size
                 while pending:
                     finish_oldest()
