@@ -48,3 +48,44 @@ def test_freed_heap_is_kept_up_to_keep_and_handed_back_above_it() -> None:
     assert r[1024 * MB]["handed_back"] < 16 * MB, r  # less free than kept: nothing trimmed
     assert r[64 * MB]["handed_back"] > 200 * MB, r
     assert r[0]["handed_back"] > 200 * MB, r
+
+
+#: A writer's saves in a process with 256 MiB free inside its heap: after the trim that hands
+#: them back, the pages a save faults in again and frees stay for the next one; the heap is
+#: trimmed again once more than ``keep`` beyond what was free after the trim is free.
+AGAIN = """
+import json
+import numpy as np
+from tpde import heap
+MB = 1 << 20
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+def freed(count):
+    blocks = [np.ones(16 * MB, dtype=np.uint8) for _ in range(count)]
+    del blocks
+    return rss()
+blocks = [np.ones(16 * MB, dtype=np.uint8) for _ in range(16)]
+pin = np.ones(MB, dtype=np.uint8)  # above them: the heap keeps its size when they are freed
+del blocks
+out, floor = [], None
+for count in (0, 8, 8, 40):
+    before = freed(count)
+    floor = heap.return_freed_memory(keep=64 * MB, floor=floor)
+    out.append({"handed_back": before - rss(), "floor": floor})
+print(json.dumps(out))
+"""
+
+
+def test_pages_faulted_in_again_after_a_trim_stay_until_more_than_keep_is_freed() -> None:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 * MB),
+           "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+    out = subprocess.run([sys.executable, "-c", AGAIN], env=env, capture_output=True,
+                         text=True, check=True)
+    first, again, third, grown = json.loads(out.stdout)
+    # handed back inside the heap: still counted free, the floor the next call measures from
+    assert first["handed_back"] > 200 * MB and first["floor"] >= 256 * MB, first
+    # 128 MB faulted in again and freed, the free heap no larger: kept for the next save
+    assert again["handed_back"] < 16 * MB and third["handed_back"] < 16 * MB, (again, third)
+    assert again["floor"] <= first["floor"]
+    # 640 MB: the heap grew by 384 MB beyond the free bytes after the trim, handed back
+    assert grown["handed_back"] > 300 * MB, grown

@@ -173,6 +173,8 @@ class Checkpointer:
         # While removals wait, beside the run's bytes: the raw bytes of its visible steps and
         # of the largest one (``AtRest.plain``, ``AtRest.largest``), kept up the same way.
         self._plain: tuple[int, int] | None = None
+        # The C heap's free bytes after this writer's last trim (``return_freed_memory``).
+        self._heap_floor: int | None = None
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -197,7 +199,8 @@ class Checkpointer:
                 against=self.deltas_against)
         finally:
             del flat
-            return_freed_memory(keep=self.max_inflight_bytes)
+            self._heap_floor = return_freed_memory(keep=self.max_inflight_bytes,
+                                                   floor=self._heap_floor)
         if self._deferred:
             self._free_deferred(saved=manifest, counted=counted)
         elif reference is not None:

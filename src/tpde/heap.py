@@ -41,23 +41,31 @@ def free_heap_bytes() -> int | None:
     return _MALLINFO2().fordblks if _MALLINFO2 is not None else None
 
 
-def return_freed_memory(keep: int = 0) -> None:
+def return_freed_memory(keep: int = 0, floor: int | None = None) -> int | None:
     """Hand heap pages freed by an encode or a decode back to the OS, unless the heap holds no
-    more than ``keep`` free bytes.
+    more than ``keep`` free bytes beyond ``floor``: what this returned last time (None: none).
+
+    Returns the ``floor`` for the next call: the free bytes after a trim, or the fewer of the
+    last floor and those now (memory the program took from the free heap since, and freed
+    again, goes back too once it adds up to ``keep``); None until a first trim. Pages already handed back still count as
+    free, so a heap compared with ``keep`` alone was trimmed after every save once it had held
+    that much free, and every save faulted its buffers' pages in again: in a process that had
+    freed 530 MB before G's 23 saves (``compare.py`` loads the workload's states first), each
+    save trimmed for 0.4-3.7 ms, and G's saves and removals took 7-15% longer.
 
     The freed pages kept are those the next save faults in again: trimming after every save of
     a 46 MB bf16 state cost its chain 55-90K more page faults and 8% of its CPU time (C saved at
     709 MB/s, 783 with the trim skipped while at most 256 MiB were free), for 21 MB less idle
     memory. A writer that never trimmed once held 550 MB idle on that chain, when an encode's
-    temporaries were not bounded; ``keep`` bounds what stays. Pages already handed back still
-    count as free, so a heap that once held more than ``keep`` free is trimmed after every save,
-    as before: memory first.
+    temporaries were not bounded; ``keep`` bounds what stays.
     """
     if _MALLOC_TRIM is None:
-        return
+        return None
     free = free_heap_bytes() if keep else None
-    if free is None or free > keep:
-        _MALLOC_TRIM(0)
+    if free is not None and free - (floor or 0) <= keep:
+        return None if floor is None else min(floor, free)
+    _MALLOC_TRIM(0)
+    return free_heap_bytes() if keep else None
 
 
 def in_heap(nbytes: int) -> np.ndarray:
