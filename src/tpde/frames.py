@@ -151,12 +151,12 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
 def compress_many(streams: list[tuple[np.ndarray, int]], *, level: int | None = DEFAULT_LEVEL,
                   threads: int | None = None) -> list[Section]:
     """``compress`` of each of many streams (contiguous bytes, and the chunk each is cut at),
-    their frames spread over the frame threads as one stream's are: a tight loop per thread,
-    where coding small tensors side by side interleaved each frame with the Python of a
-    tensor's encode and handed the GIL back and forth between the threads (a second thread
-    coded G's 106 small dense deltas, 15 MB, no faster than one). One compressor, whose window
-    covers the largest chunk, makes the frames ``compress`` makes of every stream: zstd fits
-    the window to a frame's known size.
+    all their frames in one tight loop, spread over the frame threads as one stream's frames
+    are. Coded a tensor at a time on threads side by side, each small tensor's few frames came
+    between the Python of its encode, and the threads handed the GIL back and forth: a second
+    thread coded G's 106 small dense deltas (15 MB) no faster than one. One compressor, whose
+    window covers the largest chunk, makes the frames ``compress`` makes of every stream: zstd
+    fits the window to a frame's known size.
 
     (zstandard's ``multi_compress_to_buffer`` releases the GIL for a whole batch, but its two
     threads compressed G's keyframe planes, 22.7 MB in 385 frames, no faster than one: 18-20

@@ -276,14 +276,13 @@ class Writer(Reader):
                            src)
 
         def code(batch: list[Piece], known: list[Encoded | None]) -> list[Encoded]:
-            """A batch's pieces coded: those whose coding is known before anything is
-            compressed (keyframes, and deltas whose carried choice holds) together
-            (``codec.encode_many``), the others one by one."""
+            """A batch's exact pieces coded together where ``codec.encode_many`` can (their
+            coding settled before anything is compressed), the others one by one."""
             started = [k or begin(p) for p, k in zip(batch, known)]
             todo = [i for i, a in enumerate(started)
                     if isinstance(a, Started) and a.bound is None]
             coded: list[codec.Encoding | None] = [None] * len(batch)
-            if len(todo) > 1:
+            if todo:
                 jobs = [started[i] for i in todo]
                 for i, enc in zip(todo, codec.encode_many(
                         [(a.words, a.ref_words, a.dtype.kind, a.choice) for a in jobs],
