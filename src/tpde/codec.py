@@ -239,10 +239,11 @@ def encode_many(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, Choice 
         count = -1
         options: list[tuple[str, str | None]] = [("key", None)]
         if ref is not None:
-            carried = choice is not None and choice.uses < REVALIDATE \
-                and choice.option[0] == "dense" and choice.option[1] in residual_kinds(kind)
-            if not carried and nbytes > EXACT_CHOICE_BYTES:
-                continue
+            due = choice is None or choice.uses >= REVALIDATE
+            carried = not due and choice.option[0] == "dense" \
+                and choice.option[1] in residual_kinds(kind)
+            if not carried and (nbytes > EXACT_CHOICE_BYTES or not due):
+                continue  # (a carried sparse choice: ``encode`` counts the changed words)
             count = frames.native.changed(*rows, width)
             if count == 0:
                 out[i] = Encoding("same", choice=choice)
