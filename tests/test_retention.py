@@ -54,8 +54,9 @@ class Run:
             return torch.randn(n, generator=self.g).to(dtype)
         return torch.randint(-1000, 1000, (n,), generator=self.g, dtype=dtype)
 
-    def save(self) -> None:
-        for name, t in self.tensors.items():
+    def save(self, again: bool = False) -> None:
+        """A new step; ``again``: every tensor as at the step before (Lightning's `last`)."""
+        for name, t in [] if again else self.tensors.items():
             kind = self.kinds[name]
             if kind == "sparse":
                 at = torch.randint(0, t.numel(), (3,), generator=self.g)
@@ -123,8 +124,8 @@ class Run:
     def drive(self, ops: list[tuple]) -> None:
         """A first save, then ``ops``, each checked; then the writer closed and checked."""
         for op in [("save",)] + ops:
-            if op[0] == "save":
-                self.save()
+            if op[0] in ("save", "again"):
+                self.save(again=op[0] == "again")
             elif op[0] == "remove":
                 self.remove(op[1], defer=op[2])
             elif op[0] == "gc":
@@ -136,11 +137,11 @@ class Run:
         self.check()
 
 
-OPS = st.one_of(st.just(("save",)), st.just(("gc",)), st.just(("reopen",)),
+OPS = st.one_of(st.just(("save",)), st.just(("again",)), st.just(("gc",)), st.just(("reopen",)),
                 st.tuples(st.just("remove"), st.integers(0, 50), st.booleans()))
 
 
-@given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense"]),
+@given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense", "repeat"]),
                                 st.sampled_from(DTYPES)), min_size=1, max_size=3),
        ops=st.lists(OPS, min_size=1, max_size=14),
        keyframe_every=st.integers(1, 5), seed=st.integers(0, 2**16))
@@ -161,6 +162,24 @@ def test_deltas_against_keyframes_stay_one_deep_and_exact_through_any_sequence(
     than one delta of a tensor."""
     with tempfile.TemporaryDirectory() as root:
         Run(root, kinds, keyframe_every, seed, deltas_against="keyframe").drive(ops)
+
+
+@given(kinds=st.lists(st.tuples(st.sampled_from(["frozen", "sparse", "dense", "repeat"]),
+                                st.sampled_from(DTYPES)), min_size=1, max_size=3),
+       rounds=st.lists(st.tuples(st.integers(0, 50), st.booleans(), st.booleans()),
+                       min_size=2, max_size=6),
+       keyframe_every=st.integers(1, 6), seed=st.integers(0, 2**16),
+       deltas_against=st.sampled_from(["previous", "keyframe"]))
+def test_a_retention_policy_keeps_its_kept_steps_exact(kinds, rounds, keyframe_every, seed,
+                                                       deltas_against) -> None:
+    """As a Lightning run with ``save_top_k`` and ``save_last`` saves and removes: a new
+    checkpoint, the same state again as `last`, and the removal of the `last` before it or of
+    a checkpoint that fell out of the top k."""
+    ops: list[tuple] = []
+    for pick, defer, last in rounds:
+        ops += [("save",), ("again",), ("remove", -3 if last else pick, defer)]
+    with tempfile.TemporaryDirectory() as root:
+        Run(root, kinds, keyframe_every, seed, deltas_against=deltas_against).drive(ops)
 
 
 def test_each_save_reports_the_bytes_the_run_holds(tmp_path) -> None:
@@ -367,6 +386,49 @@ def test_a_rebase_takes_a_steps_words_back_from_the_writers_words_of_the_step_af
     assert reader.steps() == [1, 2]
     for step in (1, 2):
         assert_same(states[step], reader.load(step))
+
+
+@pytest.mark.parametrize("moving", [False, True])
+def test_a_delta_coded_against_an_unchanged_step_is_pointed_at_its_data_when_it_goes(
+        tmp_path, monkeypatch, moving: bool) -> None:
+    """Lightning's `last` beside a top-k checkpoint is a step saved again unchanged; the next
+    delta is coded against it. Removing it leaves that delta as it is, pointed at the step
+    holding the data: nothing rebuilt or coded again, the delta's bytes kept (copied into the
+    step's new blob where another of its tensors had to be coded again: ``moving``)."""
+    url = str(tmp_path / "r")
+    g = torch.Generator().manual_seed(0)
+    w, v = torch.randn(20000, generator=g), torch.randn(20000, generator=g)
+    states = [{"w": w, "v": v}, {"w": w, "v": v + 1e-3 if moving else v},
+              {"w": w * 1.001, "v": v * 1.001}]
+    ck = tpde.Checkpointer(url)
+    for step, state in enumerate(states):
+        ck.save(step, {k: t.clone() for k, t in state.items()})
+    before = ck.chain.manifest(2).record("w")
+    assert (before.codec, before.ref, ck.chain.manifest(1).record("w").codec) == \
+        ("dense", 1, "same")
+    with open(os.path.join(url, ck.chain.manifest(2).blob), "rb") as f:
+        f.seek(before.sections["values"].offset)
+        stored = f.read(before.sections["values"].length)
+    rebuilt: list[tuple[int, list[str]]] = []
+    materialize = Chain.materialize
+    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+        rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
+    report = ck.remove(1)
+    assert report.rebased_steps == [2]
+    m = ck.chain.manifest(2)
+    after = m.record("w")
+    assert (after.codec, after.residual, after.ref, after.hash) == \
+        (before.codec, before.residual, 0, before.hash)
+    with open(os.path.join(url, m.blob), "rb") as f:
+        f.seek(after.sections["values"].offset)
+        assert f.read(after.sections["values"].length) == stored
+    # v of step 2 read step 1's own delta of it: coded again (its words taken back), or, with
+    # step 1 unchanged throughout, pointed at step 0 as w is.
+    assert m.record("v").ref == 0
+    assert rebuilt == ([(0, ["v"])] if moving else [])
+    ck.close()
+    assert_same(states[2], tpde.Checkpointer(url).load(2))
+    assert tpde.Checkpointer(url).verify() == []
 
 
 def test_a_damaged_record_of_the_step_after_leaves_a_rebase_to_rebuild_the_lineage(

@@ -217,9 +217,11 @@ class Rewrite:
     """One record of a kept step that must stop depending on a step that is going.
 
     ``how``: ``"same"`` (its words equal ``against``'s: point at that record's data, nothing is
-    decoded), ``"copy"`` (its data is a keyframe record held elsewhere: its frames are copied
-    as they are), or ``"recode"`` (decoded and coded again, against ``against``'s words, or as
-    a keyframe when ``against`` is None).
+    decoded), ``"repoint"`` (a delta whose reference is an unchanged record of the step
+    ``against``'s data: the delta is kept as it is and points there), ``"copy"`` (its data is a
+    keyframe record held elsewhere: its frames are copied as they are), or ``"recode"``
+    (decoded and coded again, against ``against``'s words, or as a keyframe when ``against``
+    is None).
     """
 
     name: str
@@ -256,6 +258,10 @@ def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int],
                 continue
             if prev is not None and manifests[prev].record(rec.name).hash == rec.hash:
                 todo.append(Rewrite(rec.name, "same", prev))
+            elif (at := _unchanged_from(manifests, rec)) in keep:
+                # The words it was coded against are that kept step's: Lightning's `last`
+                # beside each top-k checkpoint, removed under a delta coded against it.
+                todo.append(Rewrite(rec.name, "repoint", at))
             elif prev is None and _held_as_key(manifests, step, rec):
                 todo.append(Rewrite(rec.name, "copy", None))
                 last_key[rec.name] = step
@@ -267,6 +273,14 @@ def plan_rebase(manifests: Mapping[int, Manifest], kept: Iterable[int],
         if todo:
             plan.append((step, todo))
     return plan
+
+
+def _unchanged_from(manifests: Mapping[int, Manifest], rec: Record) -> int | None:
+    """Where a delta's reference record is an unchanged one, the step holding that data (the
+    delta's reference words, at the same depth); None otherwise."""
+    m = manifests.get(rec.ref) if rec.codec != "same" and rec.ref is not None else None
+    below = m.record(rec.name) if m is not None else None
+    return below.ref if below is not None and below.codec == "same" else None
 
 
 def _held_as_key(manifests: Mapping[int, Manifest], step: int, rec: Record) -> bool:

@@ -86,7 +86,9 @@ class Retainer(Writer):
                 new_records[w.name] = dataclasses.replace(old.record(w.name), codec="same",
                                                           ref=ref, residual=None, count=0,
                                                           grid=None, scale=None, sections={})
-        if all(w.how == "same" for w in rewrites):
+            elif w.how == "repoint":
+                new_records[w.name] = dataclasses.replace(old.record(w.name), ref=w.against)
+        if all(w.how in ("same", "repoint") for w in rewrites):
             self._replace(old, self._summed(dataclasses.replace(old, records=[
                 new_records.get(r.name, r) for r in old.records])))
             return
@@ -126,12 +128,14 @@ class Retainer(Writer):
         """The records of one batch that hold data, with the sections to write for them:
         copied from the old blob, copied from the keyframe record that holds them, or
         re-coded (their words taken back from ``later`` where it can give them)."""
-        keep = [r for r in batch if r.name not in plan and r.sections]
+        keep = [r for r in batch
+                if (r.name not in plan or plan[r.name].how == "repoint") and r.sections]
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
         recode = [r for r in batch if r.name in plan and plan[r.name].how == "recode"]
         out = []
         for r, framed in zip(keep, self._fetch(old, keep)):
-            out.append((r, _sections(r, framed)))
+            moved = dataclasses.replace(r, ref=plan[r.name].against) if r.name in plan else r
+            out.append((moved, _sections(r, framed)))
         held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
             at, key = self._lineage(r.name, old.step)[0]
@@ -148,8 +152,10 @@ class Retainer(Writer):
                        and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every}
             # The words of the step each record is re-coded against are mostly on the way to
             # its own: G's 20 removals rebuilt 31 steps while each was rebuilt apart, 20 now.
+            # Words taken back cost no more than that last delta: its reference's words are
+            # then rebuilt alone.
             passed: dict[str, torch.Tensor] = {}
-            words = self._read_back(later, old.step, [r for r in recode if r.name not in passing])
+            words = self._read_back(later, old.step, recode)
             rest = [r.name for r in recode if r.name not in words]
             if rest:
                 words.update(self.materialize(old.step, rest, passing=passing, passed=passed))
