@@ -363,13 +363,15 @@ def _record_json(r: Record) -> str:
 
 
 _STR = json.encoder.encode_basestring_ascii  # what json.dumps writes a str as
+_OPTIONAL_IN_ORDER = tuple(f.name for f in _RECORD_FIELDS if f.name in _OPTIONAL)
 
 
 def _record_text(r: Record) -> str:
     """``_json(_record_body(r))``, written field by field where every field has the plain type
     the writers give it. A save writes every record of its step anew, and a re-base every
     record it rewrites: G's 211 records took 1.5-2.2 ms through a dict and ``json.dumps``,
-    0.5-0.8 ms so."""
+    0.5-0.8 ms so. (A field added to ``Record`` is added here too: ``test_manifest.py``
+    compares the two for any record.)"""
     if not (type(r.name) is type(r.dtype) is type(r.device) is type(r.codec) is type(r.hash)
             is str and type(r.numel) is type(r.count) is int
             and (r.ref is None or type(r.ref) is int)
@@ -386,7 +388,7 @@ def _record_text(r: Record) -> str:
             f'"ref":{"null" if r.ref is None else r.ref},'
             f'"residual":{"null" if r.residual is None else _STR(r.residual)},'
             f'"count":{r.count},"sections":{{{sections}}}')
-    for name in ("start", "grid", "scale", "bound", "error", "shard"):
+    for name in _OPTIONAL_IN_ORDER:
         value = getattr(r, name)
         if value is not None:
             text += f',"{name}":{_json(value)}'
