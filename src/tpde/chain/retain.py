@@ -88,16 +88,18 @@ class Retainer(Writer):
                                                           grid=None, scale=None, sections={})
             elif w.how == "repoint":
                 new_records[w.name] = dataclasses.replace(old.record(w.name), ref=w.against)
+        # The old records, those that change no data already rewritten: a blob, if one is
+        # needed, copies the repointed ones' frames as they are.
+        current = [new_records.get(r.name, r) for r in old.records]
         if all(w.how in ("same", "repoint") for w in rewrites):
-            self._replace(old, self._summed(dataclasses.replace(old, records=[
-                new_records.get(r.name, r) for r in old.records])))
+            self._replace(old, self._summed(dataclasses.replace(old, records=current)))
             return
         blob_rel = self.blob_for(step)
         writer = self.store.open_write(blob_rel)
         try:
             sizes = [r.raw_bytes if r.name in plan and plan[r.name].how == "recode"
                      else r.stored_bytes for r in old.records]
-            for batch in batches(old.records, sizes, REBASE_BATCH_BYTES):
+            for batch in batches(current, sizes, REBASE_BATCH_BYTES):
                 for rec, sections in self._rewrite_batch(old, batch, plan, settings,
                                                          keyframe_every, later):
                     new_records[rec.name] = dataclasses.replace(
@@ -126,7 +128,7 @@ class Retainer(Writer):
                        later: Reference | None = None
                        ) -> Iterator[tuple[Record, dict[str, frames.Section]]]:
         """The records of one batch that hold data, with the sections to write for them:
-        copied from the old blob, copied from the keyframe record that holds them, or
+        copied from the old blob (a repointed record comes already pointed at its new ``ref``), copied from the keyframe record that holds them, or
         re-coded (their words taken back from ``later`` where it can give them). Re-coded
         records come as their runs are coded, written while the next are: G's re-bases
         wrote 9-10 ms of frames after their coding was done."""
@@ -135,8 +137,7 @@ class Retainer(Writer):
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
         recode = [r for r in batch if r.name in plan and plan[r.name].how == "recode"]
         for r, framed in zip(keep, self._fetch(old, keep)):
-            moved = dataclasses.replace(r, ref=plan[r.name].against) if r.name in plan else r
-            yield (moved, _sections(r, framed))
+            yield (r, _sections(r, framed))
         held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
             at, key = self._lineage(r.name, old.step)[0]
