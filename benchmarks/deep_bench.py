@@ -102,8 +102,7 @@ def measure(run: str, chain_states: list[dict[str, torch.Tensor]], against: str,
     floors = {}
     with ThreadPoolExecutor(THREADS) as pool:
         for d in DEPTHS:
-            records = [found for rec in chain.manifest(d).records
-                       for found in chain._lineage(rec.name, d)]
+            records = chain.reads(d).records
             frames = frames_of(chain, records)
             floors[d] = {
                 "records": len(records), "frames": len(frames),

@@ -90,6 +90,39 @@ def test_info_reports_each_tensor(run, capsys) -> None:
     assert "at rest:" in call(capsys, "info", run)[1]
 
 
+def test_info_says_what_a_restore_decodes(tmp_path, capsys) -> None:
+    """Every delta on the way back to the keyframe, a step saved again adding none; against
+    keyframes, one. The bytes are the records' of those steps, as each step's own rows give them."""
+    g = torch.Generator().manual_seed(1)
+    frozen = torch.ones(500)
+    for against, on_way in (("previous", [0, 1, 2, 4]), ("keyframe", [0, 4])):
+        url = str(tmp_path / against)
+        ck = tpde.Checkpointer(url, keyframe_every=16, deltas_against=against)
+        w = torch.randn(20_000, generator=g)
+        for step in range(5):
+            if step != 3:  # step 3 is step 2 saved again
+                w = w + 1e-3 * torch.randn(w.shape, generator=g)
+            ck.save(step, {"w": w, "frozen": frozen})
+        ck.close()
+        stored = {s: sum(t["stored_bytes"] for t in json.loads(
+            call(capsys, "info", url, "--step", str(s), "--json")[1])["tensors"]) for s in range(5)}
+        code, out, _ = call(capsys, "info", url, "--json")
+        reads = json.loads(out)["restore"]
+        assert code == 0 and reads["steps"] == on_way
+        assert reads["records"] == len(on_way) + 1  # w at each step on the way, frozen at 0
+        assert reads["deepest"] == len(on_way) - 1
+        assert reads["stored_bytes"] == sum(stored[s] for s in on_way)
+        text = call(capsys, "info", url)[1]
+        assert f"at most {len(on_way) - 1} delta(s) deep" in text
+        # Four dense deltas decode over twice the step's raw bytes; one does not.
+        assert ("Deltas against keyframes" in text) == (against == "previous")
+    os.remove(glob.glob(f"{tmp_path}/previous/steps/*1.json")[0])
+    code, out, _ = call(capsys, "info", str(tmp_path / "previous"), "--step", "4", "--json")
+    assert code == 0 and "step 1" in json.loads(out)["restore"]["error"]
+    assert "a restore of this step fails" in call(
+        capsys, "info", str(tmp_path / "previous"), "--step", "4")[1]
+
+
 def test_restore_writes_plain_torch_and_safetensors_files(run, tmp_path, capsys) -> None:
     out = tmp_path / "s.pt"
     assert call(capsys, "restore", run, "--step", "20", "--output", str(out))[0] == 0

@@ -39,6 +39,23 @@ def test_golden_chain_exercises_every_codec_and_residual(name: str) -> None:
     assert chain.verify(STEP[name](4)) == []
 
 
+@pytest.mark.parametrize("name", [*CHAINS, "chain-v4", "chain-v5"])
+def test_golden_chains_say_what_a_restore_decodes(name: str) -> None:
+    """``tpde info``'s figures on every format: committed steps up to the one asked for, a
+    keyframe step alone, one delta at most against keyframes, and never deeper than the depth
+    the manifest recorded when it was saved (a re-base since can only have made it shallower:
+    chain-v5's step 3 recorded 3, and reads 2 since step 1 went)."""
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, name)).chain
+    for step in chain.steps():
+        m, reads = chain.manifest(step), chain.reads(step)
+        assert set(reads.steps) <= {s for s in chain.committed() if s <= step}
+        assert 0 < reads.stored_bytes and reads.deepest <= m.depth
+        if m.keyframe:
+            assert reads.steps == [step] and reads.deepest == 0
+        if name == "chain-v6-keyframe":
+            assert reads.deepest <= 1
+
+
 def test_golden_v3_is_rebased_and_keeps_its_first_names() -> None:
     chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v3")).chain
     assert chain.committed() == [1, 3, 5, 7, 9]

@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .chain import AtRest, Chain
+from .chain import AtRest, Chain, Reads
 from .manifest import Manifest
 from .quant import Bound, applies
 
@@ -53,6 +53,21 @@ def at_rest_line(rest: AtRest) -> str:
     if rest.leftovers:
         parts.append(f"{mb(rest.leftovers)} left by unfinished saves (`tpde gc` deletes them)")
     return "; ".join(parts) + ")"
+
+
+def reads_line(reads: Reads, raw: int) -> str:
+    """What a restore of the step decodes, and what bounds it where that is several times the
+    step's own bytes (dense deltas far from their keyframe)."""
+    steps = reads.steps
+    counted = f"step {steps[0]}" if len(steps) == 1 else \
+        steps_text(steps).replace(" ", " step(s) ", 1)
+    line = (f"restore: decodes {len(reads.records)} record(s) from {counted}: "
+            f"{mb(reads.stored_bytes)} stored, at most {reads.deepest} delta(s) deep")
+    if reads.stored_bytes > 2 * raw:
+        line += (f"; {reads.stored_bytes / max(1, raw):.1f}x the step's raw bytes: "
+                 "deltas_against=\"keyframe\" or a lower keyframe_every bounds that (README, "
+                 "\"Deltas against keyframes\")")
+    return line
 
 
 def mb(n: int) -> str:

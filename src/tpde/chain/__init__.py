@@ -14,7 +14,7 @@ A step is written blob first, manifest last, so a crash leaves at most an unrefe
 decisions out, and ``spans`` puts a rebuilt step's tensors together.
 """
 
-from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reference
+from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reads, Reference
 from .plan import DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest
 from .read import DECODE_BATCH_BYTES
 from .retain import Retainer
@@ -28,4 +28,4 @@ class Chain(Retainer):
 
 __all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY",
            "DELTAS_AGAINST", "GcReport", "KEYFRAME", "MARKER", "PIECE_BYTES", "PREVIOUS", "Problem",
-           "REMOVED", "Reference", "STEPS", "lossy_summary", "span_places", "span_words"]
+           "Reads", "REMOVED", "Reference", "STEPS", "lossy_summary", "span_places", "span_words"]
