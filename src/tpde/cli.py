@@ -22,7 +22,7 @@ from . import report as show
 from . import entry as entries
 from .api import Checkpointer, Snapshot
 from .against import distances
-from .chain import KEYFRAME, Chain, Reads, lossy_summary, span_words
+from .chain import KEYFRAME, Chain, lossy_summary, span_words
 from .errors import LossyWarning, TPDEError
 from .lease import Lease
 from .keys import weights_key
@@ -131,13 +131,14 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
     } for r in m.records]
     rest = chain.at_rest()
     try:
-        reads: Reads | TPDEError = chain.reads(m.step)
+        reads = chain.reads(m.step)
+        restore, restore_line = reads.as_dict(), show.reads_line(reads, m.raw_bytes)
     except TPDEError as exc:  # a step on the way is gone or damaged: info still describes it
-        reads = exc
+        restore = {"error": str(exc)}
+        restore_line = f"a restore of this step fails: {exc} (`tpde verify` says what to do)"
     if args.json:
         print(json.dumps({"run": chain.url, **show.step_row(m), "tensors": tensors,
-                          "restore": reads.as_dict() if isinstance(reads, Reads)
-                          else {"error": str(reads)}, "at_rest": rest.as_dict()}))
+                          "restore": restore, "at_rest": rest.as_dict()}))
         return 0
     sharded = (f", saved by {m.dcp.get('world_size')} ranks through "
                f"torch.distributed.checkpoint" if m.dcp is not None else "")
@@ -161,8 +162,7 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
     said = lossy_summary(m.records)
     if said:
         print(f"LOSSY step: {said}")
-    print(show.reads_line(reads, m.raw_bytes) if isinstance(reads, Reads)
-          else f"a restore of this step fails: {reads} (`tpde verify` says what to do)")
+    print(restore_line)
     print(show.at_rest_line(rest))
     return 0
 

@@ -58,11 +58,8 @@ def at_rest_line(rest: AtRest) -> str:
 def reads_line(reads: Reads, raw: int) -> str:
     """What a restore of the step decodes, and what bounds it where that is several times the
     step's own bytes (dense deltas far from their keyframe)."""
-    steps = reads.steps
-    counted = f"step {steps[0]}" if len(steps) == 1 else \
-        steps_text(steps).replace(" ", " step(s) ", 1)
-    line = (f"restore: decodes {len(reads.records)} record(s) from {counted}: "
-            f"{mb(reads.stored_bytes)} stored, at most {reads.deepest} delta(s) deep")
+    line = (f"restore: decodes {len(reads.records)} record(s) from {steps_text(reads.steps)} "
+            f"step(s): {mb(reads.stored_bytes)} stored, at most {reads.deepest} delta(s) deep")
     if reads.stored_bytes > 2 * raw:
         line += (f"; {reads.stored_bytes / max(1, raw):.1f}x the step's raw bytes: "
                  "deltas_against=\"keyframe\" or a lower keyframe_every bounds that (README, "

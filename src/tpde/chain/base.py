@@ -70,12 +70,11 @@ class GcReport:
 
 @dataclass(frozen=True)
 class Reads:
-    """What restoring ``step`` decodes: every record on the way to each of its tensors' words,
+    """What restoring a step decodes: every record on the way to each of its tensors' words,
     keyframe records first. A restore's time follows these stored bytes, not the step's own: a
     delta of dense fp32 state stores over half what its keyframe does, so step 15 of
     ``deep_bench.py``'s chain decodes 1061 MB where its keyframe stores 165 MB."""
 
-    step: int
     #: (step, record) pairs, in step order.
     records: list[tuple[int, Record]]
     #: The most delta records decoded on the way to one tensor's words (0: all keyframes).
@@ -268,8 +267,8 @@ class ChainBase:
         """What restoring ``step`` decodes (``tpde info`` prints it); raises as a restore would
         where a step on the way is missing or its manifest unreadable."""
         lineages = [self._lineage(rec.name, step) for rec in self.manifest(step).records]
-        return Reads(step, sorted((found for lineage in lineages for found in lineage),
-                                  key=lambda found: found[0]),
+        return Reads(sorted((found for lineage in lineages for found in lineage),
+                            key=lambda found: found[0]),
                      max((len(lineage) - 1 for lineage in lineages), default=0))
 
     def _data_hash(self, rec: Record, step: int) -> str:

@@ -98,7 +98,7 @@ class Retainer(Writer):
         writer = self.store.open_write(blob_rel)
         try:
             sizes = [r.raw_bytes if r.name in plan and plan[r.name].how == "recode"
-                     else r.stored_bytes for r in old.records]
+                     else r.stored_bytes for r in current]
             for batch in batches(current, sizes, REBASE_BATCH_BYTES):
                 for rec, sections in self._rewrite_batch(old, batch, plan, settings,
                                                          keyframe_every, later):
@@ -128,10 +128,11 @@ class Retainer(Writer):
                        later: Reference | None = None
                        ) -> Iterator[tuple[Record, dict[str, frames.Section]]]:
         """The records of one batch that hold data, with the sections to write for them:
-        copied from the old blob (a repointed record comes already pointed at its new ``ref``), copied from the keyframe record that holds them, or
-        re-coded (their words taken back from ``later`` where it can give them). Re-coded
-        records come as their runs are coded, written while the next are: G's re-bases
-        wrote 9-10 ms of frames after their coding was done."""
+        copied from the old blob (a repointed record comes pointed at its new ``ref`` already),
+        copied from the keyframe record that holds them, or re-coded (their words taken back
+        from ``later`` where it can give them). Re-coded records come as their runs are coded,
+        written while the next are: G's re-bases wrote 9-10 ms of frames after their coding
+        was done."""
         keep = [r for r in batch
                 if (r.name not in plan or plan[r.name].how == "repoint") and r.sections]
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
