@@ -89,7 +89,7 @@ def mixed_codec_chain(run: str, max_inflight_bytes: int = 256 << 20
         for step in range(5):  # a few scattered changes, dense drift, frozen tensors
             e.view(-1)[torch.randint(0, e.numel(), (50,), generator=g)] += 1
             w.mul_(1.0001)
-            states[step] = {"w": w.clone(), "e": e.clone(), "frozen": torch.arange(100),
+            states[step] = {"w": w.clone(), "e": e.clone(), "frozen": torch.arange(1000),
                             "i": torch.tensor(step)}
             ckpt.save(step, states[step])
     return states

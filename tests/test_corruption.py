@@ -40,7 +40,7 @@ def test_batches_rebuilt_side_by_side_give_the_step_and_name_a_damaged_record(
     last = steps - 1
     whole = chain.materialize(last)
     in_batches = chain.materialize(last, batch_bytes=batch)
-    assert whole.keys() == in_batches.keys() and len(whole) == len(sizes)
+    assert whole.keys() == in_batches.keys() == {r.name for r in chain.manifest(last).records}
     for name, words in whole.items():
         assert torch.equal(words, in_batches[name]), name
 

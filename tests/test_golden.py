@@ -1,8 +1,9 @@
 """The committed golden chains must decode bit-exactly forever: format 1 (whole spans), format 2
 (large spans stored in pieces), format 3 (steps re-based into new blobs), format 4
 (error-bounded records: within their bounds of the saved states, and hash-checked) and format 5
-(sharded steps written by two ranks through torch.distributed.checkpoint) and format 6 (record
-hashes by XXH3-128; and a run whose deltas are coded against keyframe records)."""
+(sharded steps written by two ranks through torch.distributed.checkpoint), format 6 (record
+hashes by XXH3-128; and a run whose deltas are coded against keyframe records) and format 7
+(small tensors saved in packs)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import tpde
 from helpers import assert_same
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "golden"))
-from states import LOSSY_BOUNDS, golden_states, lossy_states, sharded_states  # noqa: E402
+from states import (LOSSY_BOUNDS, golden_states, lossy_states, packed_states,  # noqa: E402
+                    sharded_states)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 CHAINS = ("chain-v1", "chain-v2", "chain-v3", "chain-v6", "chain-v6-keyframe")
@@ -39,7 +41,7 @@ def test_golden_chain_exercises_every_codec_and_residual(name: str) -> None:
     assert chain.verify(STEP[name](4)) == []
 
 
-@pytest.mark.parametrize("name", [*CHAINS, "chain-v4", "chain-v5"])
+@pytest.mark.parametrize("name", [*CHAINS, "chain-v4", "chain-v5", "chain-v7"])
 def test_golden_chains_say_what_a_restore_decodes(name: str) -> None:
     """``tpde info``'s figures on every format: committed steps up to the one asked for, a
     keyframe step alone, one delta at most against keyframes, and never deeper than the depth
@@ -137,6 +139,24 @@ def test_golden_v6_keyframe_codes_deltas_against_keyframe_records() -> None:
               if r.codec not in ("same", "key")]
     assert all(chain.manifest(r.ref).record(r.name).codec == "key" for _, r in deltas)
     assert any(r.ref < s - 1 for s, r in deltas)
+
+
+@pytest.mark.parametrize("i", range(5))
+def test_golden_v7_packed_steps_decode_bit_exactly(i: int) -> None:
+    """Each small tensor back as the storage it was saved as (the two views still sharing
+    one), from packs coded whole, as deltas and unchanged."""
+    assert_same(packed_states()[i], tpde.Checkpointer(os.path.join(GOLDEN, "chain-v7")).load(i))
+
+
+def test_golden_v7_holds_packs() -> None:
+    chain = tpde.Checkpointer(os.path.join(GOLDEN, "chain-v7")).chain
+    assert all(chain.manifest(s).format == 7 for s in chain.steps())
+    packs = {(r.name, r.parts, r.codec) for s in chain.steps() for r in chain.manifest(s).records
+             if r.parts}
+    assert {(n, p) for n, p, _ in packs} == {("small/<pack float32>", 14),
+                                             ("small/<pack int64>", 4)}
+    assert {c for *_, c in packs} >= {"key", "same", "dense"}
+    assert chain.verify() == []
 
 
 def test_a_chain_of_an_older_format_goes_on_with_new_hashes(tmp_path) -> None:

@@ -286,3 +286,30 @@ def test_decode_seconds_count_the_decodes_and_nothing_else(tmp_path) -> None:
             assert before < stats.decode_seconds <= time.perf_counter() - started
             before = stats.decode_seconds
     none.tpde_mount.close()
+
+
+def test_a_pack_is_decoded_once_a_forward(encoder_chain, monkeypatch) -> None:
+    """The encoder's biases and norms are packs (``tree.pack``) that most of its modules view:
+    at budget 0 each forward decodes them once, for all of those modules, and lets go of them
+    when it ends."""
+    from tpde.chain import Chain
+
+    run, folder = encoder_chain
+    with torch.no_grad():
+        expected = dense(folder, 2)(**BATCH)
+    packs = {r.name for r in Chain(run).manifest(2).records if r.parts}
+    assert packs
+    asked: list[set[str]] = []
+    materialize = Chain.materialize
+
+    def observed(self, step, names=None, **kwargs):
+        asked.append(set(names) & packs)
+        return materialize(self, step, names, **kwargs)
+
+    monkeypatch.setattr(Chain, "materialize", observed)
+    model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0, prefetch=0)
+    with torch.no_grad():
+        for forward in range(1, 3):
+            assert torch.equal(model(**BATCH), expected)
+            assert [p for p in asked if p] == [packs] * forward  # again: not kept
+    model.tpde_mount.close()

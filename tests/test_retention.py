@@ -260,11 +260,11 @@ def test_a_reader_holding_old_manifests_reads_on_through_a_rebase(tmp_path) -> N
 def test_rebased_steps_stay_named_by_their_checkpoint_entries(tmp_path) -> None:
     """Entries name a step by the blob it was first written to; a re-base keeps that name."""
     url = str(tmp_path / "r")
-    w = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(2000, generator=torch.Generator().manual_seed(0))
     with tpde.Checkpointer(url) as ck:
         for step in range(3):
             w[step] += 1
-            ck.save(step, {"w": w, "frozen": torch.ones(1000)})
+            ck.save(step, {"w": w, "frozen": torch.ones(2000)})
         first = ck.chain.manifest(2).id
         ck.remove(1)  # step 2's delta read step 1: re-coded into a new blob
         m = ck.chain.manifest(2)

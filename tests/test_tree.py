@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import assert_same
 from tpde import tree
+from tpde.errors import FormatError
 
 BASE = torch.arange(64, dtype=torch.float32)
 
@@ -80,3 +82,42 @@ def test_a_tensor_s_extent_is_the_storage_it_touches(shape: list[int], data) -> 
         for i, (n, s) in enumerate(zip(t.shape, t.stride()))) if t.dim() else \
         torch.tensor(t.storage_offset())
     assert tree._extent(t) == (int(index.min()), int(index.max()) + 1)
+
+
+@given(states, st.integers(1, 600))
+def test_packed_spans_come_back_as_the_storages_they_were(state, most: int) -> None:
+    """Small spans joined into packs (``tree.pack``) come back as the tensors they were: each
+    storage its own again, views of one storage still sharing it, Parameters as they were."""
+    flat = tree.pack(tree.flatten(state), 4096, most)
+    skeleton = json.loads(json.dumps(flat.skeleton))
+    out = tree.unflatten(skeleton, [s.tensor.clone() for s in flat.spans])
+    assert_same(state, out)
+    assert len({s.name for s in flat.spans}) == len(flat.spans)
+    packs = [s for s in flat.spans if s.parts]
+    assert all(s.parts >= 2 and s.tensor.numel() * s.tensor.element_size() <= most
+               for s in packs)
+
+
+def test_packs_join_small_spans_by_top_level_key_and_dtype_and_leave_the_rest() -> None:
+    big = torch.zeros(2048)  # 8 KiB: a span of its own
+    biases = [torch.full((k + 1,), float(k)) for k in range(5)]
+    state = {"big": big, "biases": biases, "half": [torch.ones(3, dtype=torch.float16)] * 2,
+             "alone": torch.ones(2, dtype=torch.int64), "kept": torch.ones(4)}
+    flat = tree.pack(tree.flatten(state), 4096, 1 << 20, apart=lambda n: n == "kept")
+    assert [(s.name, s.parts) for s in flat.spans] == [
+        ("big", 0), ("half/0", 0), ("alone", 0), ("kept", 0), ("biases/<pack float32>", 5)]
+    assert torch.equal(flat.spans[-1].tensor, torch.cat(biases))
+    out = tree.unflatten(flat.skeleton, [s.tensor for s in flat.spans])
+    assert_same(state, out)
+    out["biases"][1][0] = -1.0  # a storage of its own, not a view of the pack
+    assert flat.spans[-1].tensor[1] == 1.0 and out["biases"][2][0] == 2.0
+    again = tree.pack(flat, 4096, 1 << 20)
+    assert [s.name for s in again.spans] == [s.name for s in flat.spans]
+
+
+def test_a_part_outside_its_pack_is_refused() -> None:
+    flat = tree.pack(tree.flatten([torch.ones(3), torch.ones(4)]), 4096, 1 << 20)
+    node = flat.skeleton[1]
+    for part in ([5, 4], [-1, 2], [0, 8], "0:4", [0]):
+        with pytest.raises(FormatError, match="part"):
+            tree.unflatten([{**node, "part": part}], [flat.spans[0].tensor])

@@ -127,7 +127,7 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         "density": round(r.density, 6),
         "raw_bytes": r.raw_bytes, "stored_bytes": r.stored_bytes,
         "ratio": round(r.raw_bytes / r.stored_bytes, 3) if r.stored_bytes else None,
-        "bound": r.bound, "error": r.error, "lossy": r.lossy,
+        "bound": r.bound, "error": r.error, "lossy": r.lossy, "parts": r.parts,
     } for r in m.records]
     rest = chain.at_rest()
     try:
@@ -152,7 +152,8 @@ def cmd_info(chain: Chain, args: argparse.Namespace) -> int:
         table.add_column(col, justify="left" if col in ("dtype", "codec", "error bound")
                          else "right", no_wrap=col != "error bound")
     for t, r in zip(tensors, m.records):
-        table.add_row(t["name"], t["dtype"], str(t["numel"]),
+        table.add_row(t["name"] + (f" ({r.parts} tensors)" if r.parts else ""), t["dtype"],
+                      str(t["numel"]),
                       t["codec"] + (f"/{t['residual'] or r.grid}" if t["residual"] or r.grid
                                     else ""),
                       "" if t["ref"] is None else str(t["ref"]), f"{t['density']:.2%}",
@@ -360,7 +361,7 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
     for recs in m.spans():
         data = span_words([r.name for r in recs], words).view(torch.uint8)
         spans.append(tree.Span(recs[0].span, data.view(dtypes.by_name(recs[0].dtype).torch_dtype),
-                               recs[0].device))
+                               recs[0].device, recs[0].parts or 0))
     with Checkpointer(args.to, storage_options=args.options) as out:
         info = out.save(step, Snapshot(tree.Flat(m.skeleton, spans), m.raw_bytes))
     if args.json:

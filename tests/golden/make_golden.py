@@ -12,6 +12,8 @@ regenerate one to make a test pass: a decoder that cannot read it has broken the
 * ``chain-v6-keyframe``: format 6, ``golden_states()`` with each delta coded against its
   tensor's keyframe record (``deltas_against="keyframe"``, recorded in ``tpde.json``): records
   whose ``ref`` names an earlier step than the one before.
+* ``chain-v7``: format 7, ``packed_states()``: small tensors saved in packs (an fp32 and an
+  int64 one), coded whole, as deltas and unchanged.
 * ``chain-v5``: format 5, ``sharded_states()`` saved by two ranks (gloo) through
   ``torch.distributed.checkpoint`` as steps 0-3, then step 1 removed: step 2 is re-based into
   one blob, step 3 keeps one blob per rank.
@@ -26,13 +28,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tpde  # noqa: E402
 from states import (LOSSY_BOUNDS, detour, golden_states, lossy_states,  # noqa: E402
-                    sharded_states)
+                    packed_states, sharded_states)
 
 HERE = os.path.dirname(__file__)
 BOUNDS = {k: tpde.Abs(v) if how == "abs" else tpde.Rel(v) for k, (how, v) in LOSSY_BOUNDS.items()}
 CHAINS = {"chain-v1": {}, "chain-v2": {"max_inflight_bytes": 16384}, "chain-v3": {},
           "chain-v4": {"error_bound": BOUNDS}, "chain-v6": {},
-          "chain-v6-keyframe": {"deltas_against": "keyframe"}}
+          "chain-v6-keyframe": {"deltas_against": "keyframe"}, "chain-v7": {}}
 
 def sharded_rank(rank: int, out: str, port: int) -> None:
     """One of chain-v5's two ranks."""
@@ -81,6 +83,6 @@ if __name__ == "__main__":
                     ck.save(2 * i + 1, state)
                 print(name, ck.remove(*range(0, 10, 2)))
                 continue
-            for step, state in enumerate(lossy_states() if name == "chain-v4"
-                                         else golden_states()):
+            states = {"chain-v4": lossy_states, "chain-v7": packed_states}.get(name, golden_states)
+            for step, state in enumerate(states()):
                 print(name, ck.save(step, state))

@@ -77,3 +77,20 @@ def sharded_states() -> list[dict]:
         states.append({"model": {"rows": rows, "cols": cols, "rep": rep},
                        "meta": {"step": step, "lr": 0.5**step}})
     return states
+
+
+def packed_states() -> list[dict]:
+    """The golden states plus a model's worth of small tensors, for chain-v7 (packs): fp32
+    biases of which some change at each step, a Parameter, two views of one storage, and int64
+    step counts that change every other step."""
+    shared = torch.arange(48, dtype=torch.float32) / 4
+    out = []
+    for step, state in enumerate(golden_states()):
+        biases = [(torch.arange(16 + 8 * k, dtype=torch.float32) - k) / 16 + (step if k % 3 == 0
+                                                                              else 0)
+                  for k in range(12)]
+        counts = [torch.tensor(step // 2 * 10 + k, dtype=torch.int64) for k in range(4)]
+        head = torch.nn.Parameter(torch.arange(32, dtype=torch.float32) / 8 + step / 2)
+        out.append({**state, "small": {"biases": biases, "counts": counts, "head": head,
+                                       "a": shared[:20], "b": shared[10:40]}})
+    return out

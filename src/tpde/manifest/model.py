@@ -16,21 +16,24 @@ import zstandard
 from .. import dtypes
 from ..errors import FormatError
 
-#: The newest format this tpde reads: format 6 names record hashes by their function (XXH3-128,
+#: The newest format this tpde reads: format 7 adds packs (records holding many small spans
+#: end to end, which the skeleton's tensors view by their ``part``), written by every save
+#: that packs any. Format 6 names record hashes by their function (XXH3-128,
 #: 34x faster than BLAKE2b here, where a save hashed every byte once and a restore again), and
-#: is written by every new save. Format 5 adds sharded steps (records in several blobs,
+#: is written by every other new save. Format 5 adds sharded steps (records in several blobs,
 #: one per rank that wrote them, and the ``torch.distributed.checkpoint`` metadata), written
 #: only by sharded saves. Format 4 adds error-bounded records (the opt-in lossy mode), and is
 #: written only by steps that hold a tensor saved under a bound, so that chains saved without
 #: one stay readable by tpde releases that know format 3. Format 3: zstd-framed manifests that
 #: may name an origin blob (re-based steps) and hold pieces. Formats 1 and 2 (plain JSON; 2
 #: with pieces) are read as before.
-FORMAT = 6
+FORMAT = 7
 PIECES_FORMAT = 2
 FRAMED_FORMAT = 3
 BOUNDED_FORMAT = 4
 SHARDED_FORMAT = 5
 XXH3_FORMAT = 6
+PACKED_FORMAT = 7
 #: A format 6 record hash: this prefix and the canonical hex of the restored bytes' XXH3-128.
 XXH3 = "xxh3:"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -99,6 +102,8 @@ class Record:
     #: Format 5: the index in ``Manifest.shards`` of the blob holding this record's sections
     #: (None: the manifest's own blob).
     shard: int | None = None
+    #: Format 7: a pack, and how many small spans of the checkpoint it holds end to end.
+    parts: int | None = None
 
     @property
     def lossy(self) -> bool:
@@ -336,7 +341,7 @@ Manifest.skeleton = _Skeleton()  # type: ignore[assignment]  # after @dataclass 
 _MANIFEST_FIELDS = fields(Manifest)
 _RECORD_FIELDS = fields(Record)
 _SECTION_FIELDS = fields(SectionRef)
-_OPTIONAL = frozenset(("start", "grid", "scale", "bound", "error", "shard"))
+_OPTIONAL = frozenset(("start", "grid", "scale", "bound", "error", "shard", "parts"))
 
 
 def _record_body(r: Record) -> dict[str, Any]:
@@ -402,6 +407,8 @@ def _json(obj: Any) -> str:
 def format_for(records: list[Record], sharded: bool = False) -> int:
     """The format a manifest of ``records`` is written in: the oldest that holds them (a
     re-base of an older step keeps its records' hashes, and so its format)."""
+    if any(r.parts is not None for r in records):
+        return PACKED_FORMAT
     if any(r.hash.startswith(XXH3) for r in records):
         return XXH3_FORMAT
     if sharded or any(r.shard is not None for r in records):

@@ -18,8 +18,8 @@ import zstandard
 from .. import codec, dtypes, quant, transform, unframe
 from ..errors import FormatError
 from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
-                    PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record,
-                    Records, SectionRef, Unread, canonical, content_hash, written_body)
+                    PACKED_FORMAT, PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC,
+                    Manifest, Record, Records, SectionRef, Unread, canonical, content_hash, written_body)
 
 
 def plain(data: bytes, *, step: int | None = None) -> bytes:
@@ -267,6 +267,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         bound=None if r.get("bound") is None else _bound(r["bound"]),
         error=None if r.get("error") is None else _errors(r["error"]),
         shard=None if r.get("shard") is None else _int(r["shard"]),
+        parts=None if r.get("parts") is None else _int(r["parts"], 1, MAX_ELEMENTS),
         sections={k: SectionRef(_int(s["offset"]), _int(s["raw"]), _int(s["chunk"]),
                                 _sizes(s["frames"]))
                   for k, s in r["sections"].items()},
@@ -279,6 +280,10 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
     if (rec.bound is not None or rec.error is not None) and b["format"] < BOUNDED_FORMAT:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)
+    if rec.parts is not None and (b["format"] < PACKED_FORMAT or rec.start is not None
+                                  or rec.bound is not None):
+        raise FormatError(f"format {b['format']} manifest holds a pack, or a pack is a piece or "
+                          "error-bounded", tensor=rec.name)
     if rec.error is not None and rec.bound is None:
         raise FormatError("record has errors but no bound", tensor=rec.name)
     legacy = _LEGACY_HASH.fullmatch(rec.hash) is not None
