@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import dtypes, heap, keys
+from . import dtypes, heap, keys, tree
 from . import entry as entries
 from .chain import Chain, span_places, span_words
 from .chain import sharded
@@ -147,10 +147,14 @@ class Mount:
                 raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
             recs = spans[i]
             # A tensor of a pack views its part of the pack's words (``tree.pack``).
-            part = node.get("part") or [0, 0]
+            try:
+                start = 0 if "part" not in node else \
+                    tree.part_range(node["part"], sum(r.numel for r in recs))[0]
+            except TPDEError as exc:
+                raise exc.located(run=chain.url, step=step, tensor=key) from None
             slot = _Slot(key, tuple(r.name for r in recs),
                          dtypes.by_name(recs[0].dtype).torch_dtype, tuple(node["shape"]),
-                         tuple(node["stride"]), int(part[0]) + int(node["offset"]))
+                         tuple(node["stride"]), start + int(node["offset"]))
             self._add(key, slot, units)
         # What the chain does not hold (non-persistent buffers such as position ids) moves to
         # the device as it is.

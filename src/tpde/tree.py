@@ -247,6 +247,14 @@ def _repoint(node: Any, where: dict[int, int], parts: dict[int, tuple[int, int, 
     return {k: _repoint(v, where, parts) for k, v in node.items()}
 
 
+def part_range(part: Any, size: int) -> tuple[int, int]:
+    """A tensor leaf's ``part`` of a pack of ``size`` elements, as (start, count), checked."""
+    if type(part) is not list or len(part) != 2 or not all(type(v) is int for v in part) \
+            or part[0] < 0 or part[1] < 0 or part[0] + part[1] > size:
+        raise FormatError(f"skeleton part {part!r} does not fit its pack of {size} elements")
+    return part[0], part[1]
+
+
 def resolve_device(device: str, map_location: MapLocation) -> torch.device:
     if map_location is None:
         return torch.device(device)
@@ -280,13 +288,10 @@ class _Builder:
         span = self.spans[i]
         if part is None:
             return span
-        if type(part) is not list or len(part) != 2 or not all(type(v) is int for v in part) \
-                or part[0] < 0 or part[1] < 0 or part[0] + part[1] > span.numel():
-            raise FormatError(f"skeleton part {part!r} does not fit its pack of "
-                              f"{span.numel()} elements")
-        key = (i, part[0], part[1])
+        start, count = part_range(part, span.numel())
+        key = (i, start, count)
         if key not in self.parts:
-            self.parts[key] = span[part[0] : part[0] + part[1]].clone()
+            self.parts[key] = span[start : start + count].clone()
         return self.parts[key]
 
     def view(self, node: dict[str, Any]) -> torch.Tensor:
