@@ -4,6 +4,7 @@ restored as the storage it was, the damage of a pack named, bounded tensors left
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 
@@ -40,7 +41,8 @@ def packs(m) -> list:
 def test_small_tensors_are_saved_in_packs_and_restored_apart(tmp_path) -> None:
     states = model_states(4)
     small = [s.name for s in tpde.tree.flatten(states[-1]).spans
-             if s.tensor.numel() * s.tensor.element_size() < 4096 and s.tensor.dtype == torch.float32]
+             if s.tensor.numel() * s.tensor.element_size() < 4096
+             and s.tensor.dtype == torch.float32]
     model = [n for n in small if n.startswith("model/")]
     run = str(tmp_path / "run")
     with tpde.Checkpointer(run) as ck:
@@ -125,9 +127,7 @@ def test_a_pack_in_an_older_format_is_refused(tmp_path) -> None:
     m = chain.manifest(0)
     from tpde import manifest
 
-    older = manifest.Manifest(**{**{f: getattr(m, f) for f in (
-        "step", "keyframe", "depth", "parent", "blob", "blob_size", "created", "seconds",
-        "skeleton")}, "records": list(m.records), "format": 6})
+    older = dataclasses.replace(m, records=list(m.records), format=6)
     with pytest.raises(FormatError, match="holds a pack"):
         manifest.parse(older.to_bytes(), step=0)
 

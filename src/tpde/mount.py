@@ -248,13 +248,12 @@ class Mount:
         check = not (self.held and name in self._checked)
         whole, into = self._span_buffers(slots)
         names = {n for *_, s in slots for n in s.records}
-        packs = names & self._pack_names
+        rest = names - self._pack_names
         # At budget 0 memory comes first: one batch of a step at a time, not the next one
         # decompressed beside it.
-        words = self.chain.materialize(self.step, names - packs, check=check, on=self.on,
-                                       look_ahead=self.budget != 0, into=into) \
-            if names - packs else {}
-        words.update(self._pack_words(packs, check))
+        words = self.chain.materialize(self.step, rest, check=check, on=self.on,
+                                       look_ahead=self.budget != 0, into=into) if rest else {}
+        words.update(self._pack_words(names - rest, check))
         self._checked.add(name)
         out, spans = {}, whole
         for *_, s in slots:

@@ -202,12 +202,12 @@ def pack(flat: Flat, below: int, most: int, apart: Callable[[str], bool] | None 
                 or (apart is not None and apart(s.name)):
             continue
         key = (s.name.split("/", 1)[0] if "/" in s.name else "", s.device, t.dtype)
-        runs = groups.setdefault(key, [[]])
-        if filled.get(key, 0) + size > most:
+        runs = groups.setdefault(key, [])
+        if not runs or filled[key] + size > most:
             runs.append([])
             filled[key] = 0
         runs[-1].append(i)
-        filled[key] = filled.get(key, 0) + size
+        filled[key] += size
     packs = [(key, k, run) for key, runs in groups.items() for k, run in enumerate(runs)
              if len(run) > 1]
     if not packs:

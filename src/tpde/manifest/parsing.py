@@ -19,7 +19,8 @@ from .. import codec, dtypes, quant, transform, unframe
 from ..errors import FormatError
 from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
                     PACKED_FORMAT, PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC,
-                    Manifest, Record, Records, SectionRef, Unread, canonical, content_hash, written_body)
+                    Manifest, Record, Records, SectionRef, Unread, canonical, content_hash,
+                    written_body)
 
 
 def plain(data: bytes, *, step: int | None = None) -> bytes:
