@@ -169,3 +169,63 @@ def test_the_c_and_numpy_decoders_refuse_the_same_damage(data: st.DataObject) ->
         except FormatError:
             got.append("refused")
     assert got[0] == got[1]
+
+
+
+def one_block_at_a_time(stream: bytes) -> list[int] | str:
+    """The C decoder handed a single block per call, checked against the block before here:
+    where it has no four blocks to read side by side."""
+    count, block, nbits, sync, codes = elias._parse(stream, None)
+    out, last = [], -1
+    for b in range(sync.shape[0]):
+        if b and int(sync[b, 1]) != last + 1:
+            return "position stream decodes to positions that are not increasing"
+        end = int(sync[b + 1, 0]) if b + 1 < sync.shape[0] else nbits
+        part = np.empty(min(block, count - b * block), dtype=np.int64)
+        try:
+            elias.native.decode(codes, end, np.ascontiguousarray(sync[b : b + 1]), part.size,
+                                block, part)
+        except ValueError as exc:
+            return str(exc)
+        out += part.tolist()
+        last = out[-1]
+    return out
+
+
+@given(st.data())
+def test_blocks_decoded_side_by_side_read_as_one_at_a_time(data: st.DataObject) -> None:
+    """The C decoder reads four blocks at a time and hands a group with anything wrong to its
+    one-block decoder: the positions, or the first error in block order, are those of reading
+    block after block, whichever of the four is damaged and however (a flipped bit, a long
+    code among short ones, a block that does not start where the one before ended)."""
+    gaps = data.draw(st.lists(st.one_of(st.integers(1, 9), st.integers(2**40, 2**48)),
+                              min_size=8, max_size=400))
+    p = np.cumsum(np.array(gaps, dtype=np.int64)) - 1
+    stream = bytearray(elias.encode(p, block=data.draw(st.integers(1, 6))))
+    for _ in range(data.draw(st.integers(0, 2))):
+        i = data.draw(st.integers(elias.HEADER.size, len(stream) - 1))
+        stream[i] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        elias._parse(bytes(stream), None)
+    except FormatError:
+        return  # refused before any block is read
+    try:
+        got: list[int] | str = elias.decode(bytes(stream), limit=2**56).tolist()
+    except FormatError as exc:
+        got = str(exc)
+    assert got == one_block_at_a_time(bytes(stream))
+
+
+def test_a_block_that_ends_before_the_next_sync_point_is_refused_side_by_side() -> None:
+    # Four blocks of four gaps of 1 (one bit each), read side by side. Block 3 is moved one
+    # bit on, past a spare 1 bit: every block still decodes to the right positions, but
+    # block 2 no longer ends where block 3 begins.
+    stream = bytearray(elias.encode(np.arange(16), block=4))
+    count, block, _, nbits = elias.HEADER.unpack_from(stream)
+    assert (count, block, nbits) == (16, 4, 16)
+    elias.HEADER.pack_into(stream, 0, 16, 4, 0, 17)
+    sync = elias.HEADER.size + 16 * 3
+    stream[sync : sync + 8] = (13).to_bytes(8, "little")
+    stream += b"\x80"
+    with pytest.raises(FormatError, match="do not end at the next sync point"):
+        elias.decode(bytes(stream), limit=16)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, frames, transform, unframe
+from tpde import FormatError, decoder, frames, transform, unframe
 
 WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PATHS = pytest.mark.parametrize("c", [True, False], ids=["c", "numpy"])
@@ -114,6 +114,41 @@ def test_plane_gathers_and_scatters(c: bool, width: int, n: int, seed: int, data
         assert np.array_equal(odd, rows)
 
 
+
+@PATHS
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 3000), seed=st.integers(0, 2**31),
+       density=st.sampled_from([0.0, 0.01, 0.3, 1.0]))
+def test_a_sparse_residual_lands_on_its_positions(c: bool, width: int, n: int, seed: int,
+                                                  density: float) -> None:
+    """``apply_at`` (a sparse delta's values put back) against an XOR written out here."""
+    rng = np.random.default_rng(seed)
+    ref = words_of(width, n, seed, 2**62)
+    at = np.flatnonzero(rng.random(n) < density)
+    r = words_of(width, len(at), seed + 1, 2**62)
+    expected = ref.numpy().copy()
+    for j, i in enumerate(at):
+        expected[i] = expected[i] ^ r.numpy()[j]
+    with pytest.MonkeyPatch.context() as mp:
+        if not c:
+            mp.setattr(frames, "native", None)
+        got = decoder.CPU().sparse(ref.clone(), torch.from_numpy(at), r)
+    assert np.array_equal(got.numpy(), expected)
+
+
+@PATHS
+@given(width=st.sampled_from([1, 2, 4, 8]), n=st.integers(0, 3000), seed=st.integers(0, 2**31))
+def test_words_are_put_together_from_their_planes(c: bool, width: int, n: int,
+                                                  seed: int) -> None:
+    """``unshuffle`` (a section decompressed whole) against the planes transposed here."""
+    rows = np.random.default_rng(seed).integers(0, 256, size=(n, width), dtype=np.uint8)
+    planes = torch.from_numpy(np.ascontiguousarray(rows.T).reshape(-1))
+    with pytest.MonkeyPatch.context() as mp:
+        if not c:
+            mp.setattr(frames, "native", None)
+        words = transform.unshuffle(planes, WORDS[width])
+    assert words.dtype == WORDS[width]
+    assert np.array_equal(words.view(torch.uint8).numpy().reshape(n, width), rows)
+
 def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
     rows = np.zeros((10, 4), dtype=np.uint8)
     with pytest.raises(ValueError):
@@ -145,6 +180,14 @@ def test_the_c_loops_refuse_out_of_range_planes_and_words() -> None:
         frames.native.diff(rows, rows, 4, planes, 2, 9)  # planes of 9 bytes for 10 words
     with pytest.raises(ValueError):
         frames.native.diff(rows, rows, 4, planes, 2, 11)  # 4 planes of 11 bytes in 40
+    residual = np.arange(12, dtype=np.uint8)
+    with pytest.raises(ValueError, match="outside"):  # word 10 of 10, and nothing applied
+        frames.native.apply_at(residual, 4, rows, np.array([0, 1, 10], dtype=np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        frames.native.apply_at(residual, 4, rows, np.array([0, -1, 2], dtype=np.int64))
+    assert not rows.any()
+    with pytest.raises(ValueError, match="each position"):
+        frames.native.apply_at(residual[:8], 4, rows, np.array([0, 1, 2], dtype=np.int64))
 
 
 @PATHS

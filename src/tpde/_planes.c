@@ -17,6 +17,8 @@
  *                                      slice, or a batch's keyframe), plane k at out + k * cap
  *   apply(residual, width, rows, mode) a residual's words applied to rows
  *   changed(new, ref, width, out=None) how many words differ, and where (a sparse delta)
+ *   apply_at(residual, width, rows, positions)  a sparse delta's XOR residual applied to the
+ *                                      words at its positions
  *
  * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
  * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
@@ -464,6 +466,52 @@ static PyObject *changed(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(c);
 }
 
+/* A residual's words XORed into rows at their positions, which are checked first: no word
+ * changes unless all of them lie in rows. numpy's `rows[at] ^= residual` gathers, XORs and
+ * scatters in passes of their own: 3.0 ns a position for 4.8M bf16 words in 22M, this 1.8. */
+#define XOR_AT(T)                                                                    \
+    {                                                                                \
+        T *w = (T *)r;                                                               \
+        const T *v = (const T *)x;                                                   \
+        for (Py_ssize_t j = 0; j < count; j++) w[at[j]] ^= v[j];                     \
+    }
+
+static PyObject *apply_at(PyObject *self, PyObject *args) {
+    Py_buffer residual, rows, where;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*iw*y*", &residual, &width, &rows, &where)) return NULL;
+    int bad = 0;
+    Py_ssize_t count = where.len / 8;
+    if (!words_fit(rows.buf, width) || !words_fit(residual.buf, width))
+        bad = fail("words not aligned to a width of 1, 2, 4 or 8 bytes on a little-endian host");
+    else if (where.len % 8 || ((uintptr_t)where.buf) % 8) bad = fail("positions must be int64");
+    else if (residual.len != count * width || rows.len % width)
+        bad = fail("a residual word is needed for each position");
+    if (!bad) {
+        const int64_t *at = (const int64_t *)where.buf;
+        const unsigned char *x = (const unsigned char *)residual.buf;
+        unsigned char *r = (unsigned char *)rows.buf;
+        uint64_t m = (uint64_t)(rows.len / width), outside = 0;
+        RELEASE_FOR(count * 8)
+        for (Py_ssize_t j = 0; j < count; j++) outside |= (uint64_t)at[j] >= m;
+        if (!outside) {
+            switch (width) {
+            case 1: XOR_AT(uint8_t) break;
+            case 2: XOR_AT(uint16_t) break;
+            case 4: XOR_AT(uint32_t) break;
+            default: XOR_AT(uint64_t) break;
+            }
+        }
+        RELEASED_END
+        if (outside) bad = fail("a position lies outside the words");
+    }
+    PyBuffer_Release(&residual);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&where);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"changed", changed, METH_VARARGS,
      "changed(new, ref, width, out=None, planes=None): how many words differ (and where, into "
@@ -480,6 +528,9 @@ static PyMethodDef methods[] = {
     {"apply", apply, METH_VARARGS,
      "apply(residual, width, rows, mode): a residual's words (modes 1-3) applied to rows "
      "(4-5: modes 2-3 undone)."},
+    {"apply_at", apply_at, METH_VARARGS,
+     "apply_at(residual, width, rows, positions): residual word j XORed into word "
+     "positions[j] of rows."},
     {NULL, NULL, 0, NULL},
 };
 

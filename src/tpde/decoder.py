@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import elias, quant, unframe
+from . import elias, frames, quant, unframe
 from .errors import FormatError
-from .transform import HOST_SLICE, apply_residual, apply_streamed, stream_words, unshuffle
+from .transform import (HOST_SLICE, apply_residual, apply_streamed, native_rows, stream_words,
+                        unshuffle)
 
 
 class CPU:
@@ -39,7 +40,11 @@ class CPU:
         return torch.from_numpy(decoded).to(device)
 
     def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        # numpy, as in apply_residual: 3.3 ms for 1.1M positions, torch's indexing 5.2 ms
+        rows = native_rows(ref) if native_rows(r) else None
+        if rows:  # one pass in C, without the GIL
+            frames.native.apply_at(r.numpy(), ref.element_size(), rows[0], pos.numpy())
+            return ref
+        # numpy where the C loops are not built: 3.3 ms for 1.1M positions, torch's 5.2
         words = ref.numpy()
         words[pos.numpy()] ^= r.numpy()
         return ref
