@@ -28,6 +28,18 @@ def test_the_c_and_numpy_coders_write_the_same_stream(gaps: list[int], block: in
         assert np.array_equal(elias.decode(c, limit=2**56, use_native=use_native), p)
 
 
+
+@given(st.sampled_from([2, 8, 60, 130, 300, 5000]), st.data())
+def test_dense_positions_read_from_the_short_code_table(widest: int, data: st.DataObject) -> None:
+    # Gaps up to `widest`, over four blocks of 256 and more: the C decoder reads codes of gaps
+    # under 128 from a table where a group of blocks averages at most 10 bits a code
+    # (sparse_bench.py times it), every code bit by bit elsewhere; the positions are numpy's.
+    gaps = data.draw(st.lists(st.integers(1, widest), min_size=1024, max_size=2100))
+    p = np.cumsum(np.array(gaps, dtype=np.int64)) - 1
+    stream = elias.encode(p)
+    assert np.array_equal(elias.decode(stream, limit=2**56), p)
+    assert np.array_equal(elias.decode(stream, limit=2**56, use_native=False), p)
+
 @pytest.mark.parametrize("block", [1, 3, 256])
 def test_the_c_coder_writes_the_longest_codes_as_numpy_does(block: int) -> None:
     # Codes of more than 56 bits (gaps from 2**47 on) are written in two parts, after codes of

@@ -199,9 +199,10 @@ static const char *decode_block(const unsigned char *c, uint64_t size, uint64_t 
 /* Blocks decoded side by side. A code's length is known only once the code before it is read,
  * so one block's decode is a chain of dependent steps (a load, a count of leading zeros,
  * shifts): 7.0 ns a code here, one block at a time. LANES blocks in one loop keep the core
- * busy during each other's waits: 4.3 ns. Only the checks that cost nothing on the way are
- * made: a lane that finds anything wrong gives the group back to `decode_block`, block by
- * block, which names the first problem as it always has. */
+ * busy during each other's waits: 4.3 ns, and 2.2-3.0 where most codes are of gaps under 128
+ * and come from a table. Only the checks that cost nothing on the way are made: a lane that
+ * finds anything wrong gives the group back to `decode_block`, block by block, which names
+ * the first problem as it always has. */
 #define LANES 4
 
 typedef struct {
@@ -209,10 +210,27 @@ typedef struct {
     int64_t *p;
 } Lane;
 
-/* The code at `L->at`; 0 when it is not a well-formed short code in front of `end`. */
-static inline int lane_step(const unsigned char *c, uint64_t size, Lane *L, uint64_t end) {
-    if (L->at >= end) return 0;
-    uint64_t w = window(c, size, L->at);
+/* By the next SHORT_BITS bits of a stream, the code they start with where it is no longer:
+ * its gap << 4 | its length (0: a longer code). Codes of gaps up to 127 fit. */
+#define SHORT_BITS 12
+#define SHORT_AVERAGE 10
+static uint32_t short_code[1 << SHORT_BITS];
+
+static void fill_short_codes(void) {
+    for (uint64_t v = 1; v < (1u << SHORT_BITS); v++) {
+        uint64_t w = v << (64 - SHORT_BITS);
+        int ell = __builtin_clzll(w);
+        if (ell > 6) continue;
+        uint64_t n = ((w << ell) >> (63 - ell)) - 1, head = 2 * (uint64_t)ell + 1;
+        if (head + n > SHORT_BITS) continue;
+        uint64_t gap = (((uint64_t)1) << n) | (((w << head) >> 1) >> (63 - n));
+        short_code[v] = (uint32_t)(gap << 4 | (head + n));
+    }
+}
+
+/* The code that `w` (the stream from `L->at` on) starts with, read as the format spells it
+ * out; 0 when it is not a well-formed code of at most 57 bits. */
+static inline int lane_step(Lane *L, uint64_t w) {
     int ell = w ? __builtin_clzll(w) : 64;
     if (ell > 6) return 0;
     uint64_t n = ((w << ell) >> (63 - ell)) - 1;
@@ -226,6 +244,30 @@ static inline int lane_step(const unsigned char *c, uint64_t size, Lane *L, uint
     if ((int64_t)L->pos < 0) return 0;
     *L->p++ = (int64_t)L->pos;
     return 1;
+}
+
+/* The code at `L->at`, from the table when it is short. Where about half the codes miss the
+ * table (gaps around 128: positions at a density near 1%) its branch mispredicts, 8.1 ns a
+ * code against 4.3 without it; `decode_lanes` takes it for groups of blocks whose codes
+ * average at most SHORT_AVERAGE bits. */
+static inline int lane_step_short(const unsigned char *c, uint64_t size, Lane *L,
+                                  uint64_t end) {
+    if (L->at >= end) return 0;
+    uint64_t w = window(c, size, L->at);
+    uint32_t e = short_code[w >> (64 - SHORT_BITS)];
+    if (!e) return lane_step(L, w);
+    L->at += e & 15;
+    L->pos += e >> 4;
+    if ((int64_t)L->pos < 0) return 0;
+    *L->p++ = (int64_t)L->pos;
+    return 1;
+}
+
+/* The code at `L->at`, never from the table. */
+static inline int lane_step_long(const unsigned char *c, uint64_t size, Lane *L,
+                                 uint64_t end) {
+    if (L->at >= end) return 0;
+    return lane_step(L, window(c, size, L->at));
 }
 
 /* LANES whole blocks starting at block `b`; 0 when decode_block must decode them instead. */
@@ -244,11 +286,20 @@ static int decode_lanes(const unsigned char *c, uint64_t size, const unsigned ch
      * block before them, checked once all are read. */
     if (last >= 0 && L[0].pos != (uint64_t)last) return 0;
     int ok = 1;
-    for (Py_ssize_t i = 0; i < block; i++) {
-        ok &= lane_step(c, size, &L[0], end[0]);
-        ok &= lane_step(c, size, &L[1], end[1]);
-        ok &= lane_step(c, size, &L[2], end[2]);
-        ok &= lane_step(c, size, &L[3], end[3]);
+    if (end[LANES - 1] - L[0].at <= (uint64_t)(SHORT_AVERAGE * LANES * block)) {
+        for (Py_ssize_t i = 0; i < block; i++) {
+            ok &= lane_step_short(c, size, &L[0], end[0]);
+            ok &= lane_step_short(c, size, &L[1], end[1]);
+            ok &= lane_step_short(c, size, &L[2], end[2]);
+            ok &= lane_step_short(c, size, &L[3], end[3]);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < block; i++) {
+            ok &= lane_step_long(c, size, &L[0], end[0]);
+            ok &= lane_step_long(c, size, &L[1], end[1]);
+            ok &= lane_step_long(c, size, &L[2], end[2]);
+            ok &= lane_step_long(c, size, &L[3], end[3]);
+        }
     }
     if (!ok) return 0;
     for (int k = 0; k < LANES; k++) {
@@ -315,6 +366,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_elias", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__elias(void) {
+    fill_short_codes();
     for (int n = 0; n < 64; n++)
         length_of_n[n] = (unsigned char)(2 * (bit_length((uint64_t)n + 1) - 1) + 1 + n);
     return PyModule_Create(&module);
