@@ -229,15 +229,14 @@ def test_blocks_decoded_side_by_side_read_as_one_at_a_time(data: st.DataObject) 
 
 
 def test_a_block_that_ends_before_the_next_sync_point_is_refused_side_by_side() -> None:
-    # Four blocks of four gaps of 1 (one bit each), read side by side. Block 3 is moved one
-    # bit on, past a spare 1 bit: every block still decodes to the right positions, but
-    # block 2 no longer ends where block 3 begins.
-    stream = bytearray(elias.encode(np.arange(16), block=4))
-    count, block, _, nbits = elias.HEADER.unpack_from(stream)
-    assert (count, block, nbits) == (16, 4, 16)
-    elias.HEADER.pack_into(stream, 0, 16, 4, 0, 17)
-    sync = elias.HEADER.size + 16 * 3
-    stream[sync : sync + 8] = (13).to_bytes(8, "little")
-    stream += b"\x80"
+    # Five blocks of four gaps of 1 (one bit each); the first four are read side by side.
+    # A spare 1 bit sits between blocks 2 and 3, and the sync points after it are moved on by
+    # one: every block still decodes to the right positions, but block 2 no longer ends where
+    # block 3 begins.
+    assert elias.encode(np.arange(20), block=4)[elias.HEADER.size + 80:] == b"\xff\xff\xf0"
+    sync = [(0, 0), (4, 4), (8, 8), (13, 12), (17, 16)]
+    stream = elias.HEADER.pack(20, 4, 0, 21) + \
+        b"".join(o.to_bytes(8, "little") + p.to_bytes(8, "little") for o, p in sync) + \
+        b"\xff\xff\xf8"
     with pytest.raises(FormatError, match="do not end at the next sync point"):
-        elias.decode(bytes(stream), limit=16)
+        elias.decode(stream, limit=20)

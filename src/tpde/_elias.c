@@ -331,9 +331,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         uint64_t size = (uint64_t)codes.len;
         int64_t *p = (int64_t *)out.buf;
         int64_t last = -1;
-        Py_ssize_t full = count / block; /* blocks of `block` codes: all but maybe the last */
+        /* Groups of whole blocks with a block after them: the next block's sync point checks
+         * the last lane's last position as each lane's checks the lane before it. */
+        Py_ssize_t groups_end = count / block < nsync ? count / block : nsync - 1;
         for (Py_ssize_t b = 0; b < nsync && !problem;) {
-            if (b + LANES <= full && decode_lanes(c, size, s, b, nbits, nsync, p, block, last)) {
+            if (b + LANES <= groups_end &&
+                decode_lanes(c, size, s, b, nbits, nsync, p, block, last)) {
                 b += LANES;
                 last = p[b * block - 1];
                 continue;
