@@ -228,46 +228,50 @@ static void fill_short_codes(void) {
     }
 }
 
-/* The code that `w` (the stream from `L->at` on) starts with, read as the format spells it
- * out; 0 when it is not a well-formed code of at most 57 bits. */
-static inline int lane_step(Lane *L, uint64_t w) {
-    int ell = w ? __builtin_clzll(w) : 64;
-    if (ell > 6) return 0;
-    uint64_t n = ((w << ell) >> (63 - ell)) - 1;
-    uint64_t head = 2 * (uint64_t)ell + 1;
-    if (head + n > 57) return 0; /* a long code (or a damaged one): left to decode_block */
-    /* The low N bits, with no branch on N = 0: the word is shifted one bit less than wanted
-     * and once more, so no shift is by 64. */
-    uint64_t low = ((w << head) >> 1) >> (63 - n);
-    L->at += head + n;
-    L->pos += (((uint64_t)1) << n) | low;
+/* The code at `L->at`: from the table when `table` says to and it is short, else read as the
+ * format spells it out; 0 when it is not a well-formed code of at most 57 bits in front of
+ * `end`. Where about half the codes miss the table (gaps around 128: positions at a density
+ * near 1%) its branch mispredicts, 8.1 ns a code against 4.3 without it; `decode_lanes`
+ * asks for it for groups of blocks whose codes average at most SHORT_AVERAGE bits. */
+static inline int lane_step(const unsigned char *c, uint64_t size, Lane *L, uint64_t end,
+                            int table) {
+    if (L->at >= end) return 0;
+    uint64_t w = window(c, size, L->at), length, gap;
+    uint32_t e = table ? short_code[w >> (64 - SHORT_BITS)] : 0;
+    if (e) {
+        length = e & 15;
+        gap = e >> 4;
+    } else {
+        int ell = w ? __builtin_clzll(w) : 64;
+        if (ell > 6) return 0;
+        uint64_t n = ((w << ell) >> (63 - ell)) - 1;
+        uint64_t head = 2 * (uint64_t)ell + 1;
+        if (head + n > 57) return 0; /* a long code (or a damaged one): left to decode_block */
+        /* The low N bits, with no branch on N = 0: the word is shifted one bit less than
+         * wanted and once more, so no shift is by 64. */
+        length = head + n;
+        gap = (((uint64_t)1) << n) | (((w << head) >> 1) >> (63 - n));
+    }
+    L->at += length;
+    L->pos += gap;
     if ((int64_t)L->pos < 0) return 0;
     *L->p++ = (int64_t)L->pos;
     return 1;
 }
 
-/* The code at `L->at`, from the table when it is short. Where about half the codes miss the
- * table (gaps around 128: positions at a density near 1%) its branch mispredicts, 8.1 ns a
- * code against 4.3 without it; `decode_lanes` takes it for groups of blocks whose codes
- * average at most SHORT_AVERAGE bits. */
-static inline int lane_step_short(const unsigned char *c, uint64_t size, Lane *L,
-                                  uint64_t end) {
-    if (L->at >= end) return 0;
-    uint64_t w = window(c, size, L->at);
-    uint32_t e = short_code[w >> (64 - SHORT_BITS)];
-    if (!e) return lane_step(L, w);
-    L->at += e & 15;
-    L->pos += e >> 4;
-    if ((int64_t)L->pos < 0) return 0;
-    *L->p++ = (int64_t)L->pos;
-    return 1;
-}
-
-/* The code at `L->at`, never from the table. */
-static inline int lane_step_long(const unsigned char *c, uint64_t size, Lane *L,
-                                 uint64_t end) {
-    if (L->at >= end) return 0;
-    return lane_step(L, window(c, size, L->at));
+/* `block` codes of each lane, one of each in turn; 0 when a lane found anything wrong. Built
+ * once for each `table`, a constant where it is called, so that no code asks again. */
+static inline __attribute__((always_inline)) int read_lanes(
+    const unsigned char *c, uint64_t size, Lane *L, const uint64_t *end, Py_ssize_t block,
+    int table) {
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < block; i++) {
+        ok &= lane_step(c, size, &L[0], end[0], table);
+        ok &= lane_step(c, size, &L[1], end[1], table);
+        ok &= lane_step(c, size, &L[2], end[2], table);
+        ok &= lane_step(c, size, &L[3], end[3], table);
+    }
+    return ok;
 }
 
 /* LANES whole blocks starting at block `b`; 0 when decode_block must decode them instead. */
@@ -285,22 +289,9 @@ static int decode_lanes(const unsigned char *c, uint64_t size, const unsigned ch
     /* The first block goes on from the last position before the group; the others from the
      * block before them, checked once all are read. */
     if (last >= 0 && L[0].pos != (uint64_t)last) return 0;
-    int ok = 1;
-    if (end[LANES - 1] - L[0].at <= (uint64_t)(SHORT_AVERAGE * LANES * block)) {
-        for (Py_ssize_t i = 0; i < block; i++) {
-            ok &= lane_step_short(c, size, &L[0], end[0]);
-            ok &= lane_step_short(c, size, &L[1], end[1]);
-            ok &= lane_step_short(c, size, &L[2], end[2]);
-            ok &= lane_step_short(c, size, &L[3], end[3]);
-        }
-    } else {
-        for (Py_ssize_t i = 0; i < block; i++) {
-            ok &= lane_step_long(c, size, &L[0], end[0]);
-            ok &= lane_step_long(c, size, &L[1], end[1]);
-            ok &= lane_step_long(c, size, &L[2], end[2]);
-            ok &= lane_step_long(c, size, &L[3], end[3]);
-        }
-    }
+    int ok = end[LANES - 1] - L[0].at <= (uint64_t)(SHORT_AVERAGE * LANES * block)
+                 ? read_lanes(c, size, L, end, block, 1)
+                 : read_lanes(c, size, L, end, block, 0);
     if (!ok) return 0;
     for (int k = 0; k < LANES; k++) {
         if (L[k].at != end[k]) return 0;

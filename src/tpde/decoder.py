@@ -40,13 +40,13 @@ class CPU:
         return torch.from_numpy(decoded).to(device)
 
     def sparse(self, ref: torch.Tensor, pos: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        rows = native_rows(ref) if native_rows(r) else None
-        if rows:  # one pass in C, without the GIL
-            frames.native.apply_at(r.numpy(), ref.element_size(), rows[0], pos.numpy())
+        residual, words = native_rows(r), native_rows(ref)
+        if residual and words:  # one pass in C, without the GIL
+            frames.native.apply_at(residual[0], ref.element_size(), words[0], pos.numpy())
             return ref
         # numpy where the C loops are not built: 3.3 ms for 1.1M positions, torch's 5.2
-        words = ref.numpy()
-        words[pos.numpy()] ^= r.numpy()
+        flat = ref.numpy()
+        flat[pos.numpy()] ^= r.numpy()
         return ref
 
     def quant(self, grid: str, scale: float, dtype: str, n: int, values: torch.Tensor,

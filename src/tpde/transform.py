@@ -153,7 +153,7 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     out = np.empty(p.shape[1], dtype=f"<u{width}")
     rows = out.view(np.uint8).reshape(-1, width)
     if frames.native_words(rows):
-        unframe.join(p, rows)
+        frames.native.join(p, width, rows, 0)
         return torch.from_numpy(rows.reshape(-1)).view(word_dtype)
     np.copyto(out, p[width - 1])
     for k in range(width - 2, -1, -1):
