@@ -9,6 +9,8 @@ weight memory the model held at any module call, observed from outside the mount
 MB/s" is the weights decoded per forward over the forward's time (compute included);
 "decode-only MB/s" is the weights decoded over the time the decodes themselves took
 (``MountStats.decode_seconds``, all forwards), which compares with the restore path's MB/s.
+A model of large modules (``LARGE``: four 67 MB linear layers) is then run at budget 0 the same
+way, as a language model's layers would be.
 
 ``--device cuda`` runs both on the GPU, where the mount decodes with nvCOMP and the Triton
 kernels. ``--seeded-weights`` builds the same architecture with seeded random weights and
@@ -104,6 +106,65 @@ def peak_weights(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> int:
     return probe.peak
 
 
+#: A model of large modules, as a language model's layers are (tens to hundreds of MB each):
+#: four 4096 x 4096 linear layers in fp32, 67 MB each.
+LARGE = (4096, 4)
+
+
+def large_modules(device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """At budget 0 and batch 1, the decode-only MB/s of a model of ``LARGE`` modules against
+    the restore path's, at its keyframe and two deltas deep (``drift``): each module's weight
+    is one record large enough to be decoded on the frame threads (``unframe.by_slices``)."""
+    dim, layers = LARGE
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)]).eval()
+
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in build().state_dict().items()}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    batch = {"input": torch.randn(1, dim, generator=torch.Generator().manual_seed(1)).to(device)}
+    rows = []
+    print(f"\n{layers} x Linear({dim}, {dim}): {total / 1e6:.0f} MB of fp32 weights, budget 0, "
+          f"batch 1")
+    print(f"{'step':>4s} {'restore MB/s':>13s} {'decode-only MB/s':>17s} {'x restore':>10s} "
+          f"{'latency':>10s} {'x dense':>8s}")
+    with tempfile.TemporaryDirectory() as run:
+        with tpde.Checkpointer(run) as ckpt:
+            for step in range(3):
+                ckpt.save(step, state)
+                state = drift(state, step)
+        for step in (0, 2):
+            dense = build().to(device)
+            restore = total / restored(run, step, dense, device, repeats) / 1e6
+            base = timed(dense, batch, repeats)
+            del dense
+            mounted = tpde.mount(run, step, build(), device=device, budget=0)
+            ms = timed(mounted, batch, repeats)
+            st = mounted.tpde_mount.stats
+            alone = st.decoded_bytes / 1e6 / st.decode_seconds
+            mounted.tpde_mount.close()
+            print(f"{step:4d} {restore:13.0f} {alone:17.0f} {alone / restore:9.2f}x "
+                  f"{ms:8.1f} ms {ms / base:7.2f}x")
+            rows.append({"step": step, "restore_mb_per_s": restore,
+                         "decode_only_mb_per_s": alone, "vs_restore": alone / restore,
+                         "latency_ms": ms, "dense_latency_ms": base, "vs_dense": ms / base})
+    return rows
+
+
+def restored(run: str, step: int, dense: torch.nn.Module, device: torch.device,
+             repeats: int) -> float:
+    """The median seconds of the restore path (``tpde.load_state_dict``) for ``step``, whose
+    weights ``dense`` then holds."""
+    loads = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        weights = tpde.load_state_dict(run, step, model=dense, map_location=device)
+        loads.append(time.perf_counter() - started)
+    dense.load_state_dict(weights)
+    return statistics.median(loads)
+
+
 def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
     sync = torch.cuda.synchronize if next(iter(batch.values())).is_cuda else (lambda: None)
     with torch.no_grad():
@@ -160,13 +221,7 @@ def main() -> None:
               f"{'peak weights':>13s} {'decoded MB/s':>13s} {'decode-only MB/s':>17s}")
         for step in ((0,) if args.quick else (0, 2)):
             dense = fresh(model.config).to(device)
-            loads = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                weights = tpde.load_state_dict(run, step, model=dense, map_location=device)
-                loads.append(time.perf_counter() - started)
-            dense.load_state_dict(weights)
-            restore = total / statistics.median(loads) / 1e6
+            restore = total / restored(run, step, dense, device, repeats) / 1e6
             print(f"step {step}: the restore path (tpde.load_state_dict) decodes {restore:.0f} MB/s")
             results.setdefault("restore_mb_per_s", {})[step] = restore
             for b, batch in batches.items():
@@ -193,6 +248,8 @@ def main() -> None:
                                             "peak_weights_mb": peak / 1e6,
                                             "decode_mb_per_s": rate,
                                             "decode_only_mb_per_s": alone})
+    if not args.quick:
+        results["large_modules"] = large_modules(device, repeats)
     if args.json:
         results["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
                               "torch": torch.__version__, "device": str(device),

@@ -389,7 +389,8 @@ def planes_path(mp: pytest.MonkeyPatch, c: bool) -> None:
 def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chunk: int,
                                                 how: str, kind: str, seed: int,
                                                 threads: int, whole: int) -> None:
-    """A section read frame by frame as the decode reaches it (a mount at budget 0), or held
+    """A section read frame by frame as the decode reaches it (a mount at budget 0; a large
+    one in runs of slices on the frame threads), or held
     in memory and applied in runs of slices on the frame threads (a restore) or decompressed
     whole a frame at a time (``unframe.WHOLE_BYTES``: a small record), rebuilds the same words
     as the whole decompressed section, with chunks that tile the byte planes and chunks that
@@ -405,10 +406,14 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
         data = new if how == "key" else transform.residual(new, ref, how, kind)
         sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
         codec_name = "key" if how == "key" else "dense"
-        streamed = decoder.decode(codec_name, None if how == "key" else how,
-                                {"values": unframe.Framed(list(sec.frames), sec.raw, sec.chunk)},
-                                None if how == "key" else ref.clone(), n, word, kind)
-        assert torch.equal(streamed, new)
+        for spread_from in (unframe.FRAMED_SPREAD_BYTES, 1):  # 1: every frame thread takes part
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(unframe, "FRAMED_SPREAD_BYTES", spread_from)
+                streamed = decoder.decode(
+                    codec_name, None if how == "key" else how,
+                    {"values": unframe.Framed(list(sec.frames), sec.raw, sec.chunk)},
+                    None if how == "key" else ref.clone(), n, word, kind)
+            assert torch.equal(streamed, new)
         if how != "key":
             with pytest.MonkeyPatch.context() as mp:  # every frame thread takes part, however small
                 mp.setattr(frame_threads, "SPREAD_BYTES", 1)
@@ -423,6 +428,50 @@ def test_streamed_sections_decode_as_whole_ones(c: bool, n: int, width: int, chu
             whole = unframe.decompress(list(sec.frames), sec.raw, sec.chunk)
             assert torch.equal(decoder.decode("dense", how, {"values": whole}, new.clone(), n,
                                               word, kind, undo=True), ref)
+
+
+class _Gate(list):
+    """A stream's frames whose first read on the calling thread waits until another thread has
+    read one: a stream shared out over the frame threads is then read by two of them for sure
+    (a helper that started late would find nothing left)."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        super().__init__(frames)
+        self.caller, self.readers = threading.get_ident(), set()
+        self.other = threading.Event()
+
+    def __getitem__(self, i: int) -> bytes:
+        me = threading.get_ident()
+        first = me not in self.readers
+        self.readers.add(me)
+        if me != self.caller:
+            self.other.set()
+        elif first:
+            self.other.wait(timeout=10)
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("memory_first", [True, False], ids=["framed", "frames"])
+@pytest.mark.parametrize("how", ["key", "xor"])
+def test_a_stream_shared_out_over_the_frame_threads_decodes_whole(memory_first: bool,
+                                                                  how: str) -> None:
+    """A large section's slices shared out over two frame threads, the second taking the upper
+    half of what the first has not reached (a mount at budget 0 reading frame by frame, or a
+    restore with the frames in memory), rebuild the words a single thread does."""
+    n, chunk = 5_000_000, 65536  # 20 MB of words: twice FRAMED_SPREAD_BYTES and more
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randint(-(2**30), 2**30, (n,), generator=g, dtype=torch.int32)
+    new = ref ^ torch.randint(0, 256, (n,), generator=g, dtype=torch.int32)
+    data = new if how == "key" else transform.residual(new, ref, how, "int")
+    sec = frames.compress(_bytes_of(transform.shuffle(data)), level=1, chunk=chunk)
+    gate = _Gate(list(sec.frames))
+    stream = unframe.Framed(gate, sec.raw, sec.chunk) if memory_first else \
+        unframe.Frames(gate, sec.raw, sec.chunk)
+    got = decoder.decode("key" if how == "key" else "dense", None if how == "key" else how,
+                         {"values": stream}, None if how == "key" else ref.clone(), n,
+                         torch.int32, "int")
+    assert len(gate.readers) == 2, "the stream was not shared out"
+    assert torch.equal(got, new)
 
 
 @PLANES

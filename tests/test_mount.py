@@ -313,3 +313,64 @@ def test_a_pack_is_decoded_once_a_forward(encoder_chain, monkeypatch) -> None:
             assert torch.equal(model(**BATCH), expected)
             assert [p for p in asked if p] == [packs] * forward  # again: not kept
     model.tpde_mount.close()
+
+
+def _open_files() -> set[str]:
+    """The files this process holds open (its descriptors' targets)."""
+    fds = "/proc/self/fd"
+    out = set()
+    for fd in os.listdir(fds):
+        try:
+            out.add(os.readlink(os.path.join(fds, fd)))
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path) -> None:
+    """A weight of twice ``unframe.FRAMED_SPREAD_BYTES`` and more is decoded at budget 0 in runs
+    of slices on the frame threads, each reading its frames from the store by range: the output
+    is the dense model's at its keyframe and two deltas deep, no file of the run stays open
+    after a forward, and a damaged frame of that weight is refused, naming it."""
+    from tpde import unframe
+    from tpde.chain import Chain
+
+    def net() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(2304, 2304), torch.nn.GELU(),
+                                   torch.nn.Linear(2304, 16)).eval()
+
+    assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
+    torch.manual_seed(0)
+    model, run = net(), str(tmp_path / "run")
+    x = torch.randn(3, 2304, generator=torch.Generator().manual_seed(1))
+    expected = {}
+    state = dict(model.state_dict())
+    with tpde.Checkpointer(run) as ckpt:
+        for step in range(3):
+            ckpt.save(step, state)
+            model.load_state_dict(state)
+            with torch.no_grad():
+                expected[step] = model(x)
+            state = drift(state, step)
+    before = _open_files()
+    for step in (0, 2):
+        mounted = tpde.mount(run, step, net(), device="cpu", budget=0)
+        with torch.no_grad():
+            got = mounted(x)
+        assert torch.equal(got, expected[step]), step
+        assert mounted.tpde_mount.stats.decodes == mounted.tpde_mount.stats.modules
+        assert {f for f in _open_files() - before if f.startswith(run)} == set()
+        mounted.tpde_mount.close()
+
+    m = Chain(run).manifest(2)
+    rec = next(r for r in m.records if r.name == "0.weight")
+    s = rec.sections["values"]
+    with open(os.path.join(run, m.blob_of(rec)), "r+b") as f:  # in the stream's last frames
+        f.seek(s.offset + s.length - s.frames[-1] - 100)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    mounted = tpde.mount(run, 2, net(), device="cpu", budget=0)
+    with pytest.raises(tpde.CorruptionError, match=r"0\.weight"), torch.no_grad():
+        mounted(x)

@@ -28,7 +28,7 @@ def default_threads() -> int:
 
 
 def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
-           raw: int) -> None:
+           raw: int, least: int | None = None) -> None:
     """``work`` over ``count`` frames (or slices of words) on up to ``threads`` threads, this
     one included. ``work`` gets the indices it is to do, in order; a thread that has none left
     takes the upper half of what remains of the fullest share (``_Shares``), and runs ``work``
@@ -44,10 +44,11 @@ def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None
     zstd releases the GIL for each frame; the process keeps its frame threads, where
     zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
     a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x). Each thread
-    gets at least ``SPREAD_BYTES`` of the ``raw`` bytes: below that a hand-off costs more
-    than it spares, and small tensors are already coded side by side by the writer's tasks.
+    gets at least ``least`` of the ``raw`` bytes (None: ``SPREAD_BYTES``): below that a
+    hand-off costs more than it spares, and small tensors are already coded side by side by
+    the writer's tasks.
     """
-    n = max(1, min(threads or default_threads(), count, raw // SPREAD_BYTES))
+    n = max(1, min(threads or default_threads(), count, raw // (least or SPREAD_BYTES)))
     if n == 1:
         work(range(count))
         return

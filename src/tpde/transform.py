@@ -69,9 +69,9 @@ def stream_words(stream: unframe.Frames | unframe.Framed, word_dtype: torch.dtyp
     """The words of a shuffled stream, each slice's words joined in cache from its part of
     every plane, with no copy of the planes beside them (``unframe.unshuffle_into``): frames
     held in memory (the restore path's keyframe values and small dense residuals) on the frame
-    threads, a ``unframe.Framed`` (a memory-first decode) on this thread, into the heap
-    (``heap.in_heap``). ``out`` (host words of the right size) receives them instead of a new
-    buffer."""
+    threads; a ``unframe.Framed`` (a memory-first decode) into the heap (``heap.in_heap``), on
+    the frame threads where it is large (``unframe.FRAMED_SPREAD_BYTES``). ``out`` (host words
+    of the right size) receives them instead of a new buffer."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if stream.raw % width:
         raise FormatError("byte planes do not hold a whole number of words")

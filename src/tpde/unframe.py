@@ -7,6 +7,7 @@ frame that claims or produces more is refused before anything large is allocated
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -25,6 +26,9 @@ from .frames import MAX_CHUNK, MIN_CHUNK, native_words, raw_sizes
 #: slice at a time on the frame threads, where a few buffers per thread cost less than the
 #: whole stream beside the words.
 WHOLE_BYTES = 1 << 20
+#: The fewest raw bytes of a ``Framed`` stream worth handing to another frame thread
+#: (``by_slices``).
+FRAMED_SPREAD_BYTES = 8 << 20
 
 
 def check_table(raw: int, chunk: int, table: Sequence[int], *, limit: int) -> None:
@@ -80,18 +84,26 @@ def by_slices(stream: Frames | Framed, n: int,
               ) -> None:
     """``work(framed, starts)`` over the slices of a stream of the byte planes of ``n`` words,
     each slice ``chunk`` words (its part of every plane spans at most two frames), given by
-    its first word. A ``Framed`` is read on this thread, as its frames may be fetched as they
-    are reached; frames held in memory are shared out in runs of slices over the frame
-    threads, each reading them through a ``Framed`` of its own, which checks each frame's
-    declared size as its thread reaches it (not all of them first on this thread: 0.5 ms of a
-    32 MiB piece's 12 that nothing else ran beside)."""
+    its first word, shared out in runs of slices over the frame threads, each reading the
+    frames through a ``Framed`` of its own, which checks each frame's declared size as its
+    thread reaches it (not all of them first on this thread: 0.5 ms of a 32 MiB piece's 12
+    that nothing else ran beside).
+
+    A ``Framed`` stream (a memory-first decode, whose frames may be fetched as they are
+    reached) is shared out only from ``FRAMED_SPREAD_BYTES`` a thread on: its records come
+    one at a time, so a large one is the only work a second core can take, and each thread
+    holds a few frames more. Each run of slices reads the frames inside ``frames.reading()``
+    where they have one (a store's files kept open for the run, on its thread).
+    """
     per = stream.chunk
-    if isinstance(stream, Framed):
-        work(stream, range(0, n, per))
-        return
-    spread(-(-n // per), threads,
-           lambda mine: work(Framed(stream.frames, stream.raw, stream.chunk),
-                             (i * per for i in mine)), stream.raw)
+    least = FRAMED_SPREAD_BYTES if isinstance(stream, Framed) else None
+    reading = getattr(stream.frames, "reading", contextlib.nullcontext)
+
+    def run(mine: Iterable[int]) -> None:
+        with reading():
+            work(Framed(stream.frames, stream.raw, stream.chunk), (i * per for i in mine))
+
+    spread(-(-n // per), threads, run, stream.raw, least)
 
 
 def unshuffle_into(stream: Frames | Framed, rows: np.ndarray, *,
@@ -182,8 +194,8 @@ class Framed:
     held whole beside the words it becomes, and ``frames`` may be a sequence that reads each
     frame from the store only when it is asked for. Frames are decompressed into a few reused
     buffers, the last ``keep`` of them kept, so that reading a slice of words plane after
-    plane, slice after slice, decompresses each frame once. The restore path reads frames held
-    in memory the same way, a run of slices per frame thread (``by_slices``).
+    plane, slice after slice, decompresses each frame once. Each frame thread that takes a run
+    of a stream's slices reads them through a ``Framed`` of its own (``by_slices``).
     """
 
     def __init__(self, frames: Sequence[memoryview | bytes], raw: int, chunk: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -38,6 +38,11 @@ class _FramesOnDemand:
 
     def __len__(self) -> int:
         return len(self._starts) - 1
+
+    def reading(self) -> ContextManager[None]:
+        """The store's files kept open while this thread reads frames (``unframe.by_slices``
+        runs on the frame threads)."""
+        return self._reader.store.kept_open()
 
     def __getitem__(self, i: int) -> bytes:
         a, b = self._starts[i], self._starts[i + 1]
@@ -221,7 +226,8 @@ class Reader(ChainBase):
         pool, ahead = pools()
         # Without look-ahead memory comes first: values streamed frame by frame, and records
         # rebuilt on this thread (each decode thread's malloc arena would keep what it freed:
-        # measured 15 MB more for a 3 MB module).
+        # measured 15 MB more for a 3 MB module); only a large record's slices are shared out
+        # over the frame threads (``unframe.by_slices``).
         stream = not look_ahead and backend is None
         spread = pool.map if look_ahead else map
         # With look-ahead, words that nothing rebuilds further are hashed on the prefetch
