@@ -327,6 +327,31 @@ def _open_files() -> set[str]:
     return out
 
 
+def _large_net() -> torch.nn.Module:
+    """A weight of twice ``unframe.FRAMED_SPREAD_BYTES`` and more (21 MB) and a small one."""
+    return torch.nn.Sequential(torch.nn.Linear(2304, 2304), torch.nn.GELU(),
+                               torch.nn.Linear(2304, 16)).eval()
+
+
+def _large_chain(run: str, storage_options: dict | None = None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Three steps of ``_large_net``'s weights (a keyframe, then two ``drift`` deltas) saved to
+    ``run``: an input, and the dense model's output on it at each step."""
+    torch.manual_seed(0)
+    model = _large_net()
+    x = torch.randn(3, 2304, generator=torch.Generator().manual_seed(1))
+    expected = {}
+    state = dict(model.state_dict())
+    with tpde.Checkpointer(run, storage_options=storage_options) as ckpt:
+        for step in range(3):
+            ckpt.save(step, state)
+            model.load_state_dict(state)
+            with torch.no_grad():
+                expected[step] = model(x)
+            state = drift(state, step)
+    return x, expected
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path) -> None:
     """A weight of twice ``unframe.FRAMED_SPREAD_BYTES`` and more is decoded at budget 0 in runs
@@ -336,23 +361,10 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
     from tpde import unframe
     from tpde.chain import Chain
 
-    def net() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(2304, 2304), torch.nn.GELU(),
-                                   torch.nn.Linear(2304, 16)).eval()
-
     assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
-    torch.manual_seed(0)
-    model, run = net(), str(tmp_path / "run")
-    x = torch.randn(3, 2304, generator=torch.Generator().manual_seed(1))
-    expected = {}
-    state = dict(model.state_dict())
-    with tpde.Checkpointer(run) as ckpt:
-        for step in range(3):
-            ckpt.save(step, state)
-            model.load_state_dict(state)
-            with torch.no_grad():
-                expected[step] = model(x)
-            state = drift(state, step)
+    run = str(tmp_path / "run")
+    x, expected = _large_chain(run)
+    net = _large_net
     before = _open_files()
     for step in (0, 2):
         mounted = tpde.mount(run, step, net(), device="cpu", budget=0)
@@ -374,3 +386,16 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
     mounted = tpde.mount(run, 2, net(), device="cpu", budget=0)
     with pytest.raises(tpde.CorruptionError, match=r"0\.weight"), torch.no_grad():
         mounted(x)
+
+
+def test_a_large_module_at_budget_zero_reads_its_frames_from_s3_on_two_threads(s3_server
+                                                                            ) -> None:
+    """The frame threads that share a large record out range-read its frames from S3 side by
+    side (``resident="store"``): the output is the dense model's, two deltas deep."""
+    options = s3_server["options"]
+    run = "s3://tpde/large-module"
+    x, expected = _large_chain(run, options)
+    mounted = tpde.mount(run, 2, _large_net(), device="cpu", budget=0, resident="store",
+                         storage_options=options)
+    with torch.no_grad():
+        assert torch.equal(mounted(x), expected[2])
