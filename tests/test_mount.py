@@ -364,10 +364,9 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
     assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
     run = str(tmp_path / "run")
     x, expected = _large_chain(run)
-    net = _large_net
     before = _open_files()
     for step in (0, 2):
-        mounted = tpde.mount(run, step, net(), device="cpu", budget=0)
+        mounted = tpde.mount(run, step, _large_net(), device="cpu", budget=0)
         with torch.no_grad():
             got = mounted(x)
         assert torch.equal(got, expected[step]), step
@@ -383,7 +382,7 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x10]))
-    mounted = tpde.mount(run, 2, net(), device="cpu", budget=0)
+    mounted = tpde.mount(run, 2, _large_net(), device="cpu", budget=0)
     with pytest.raises(tpde.CorruptionError, match=r"0\.weight"), torch.no_grad():
         mounted(x)
 
