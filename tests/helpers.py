@@ -1,10 +1,26 @@
-"""Structural, bit-exact comparison of checkpoints (types, key order, strides, ties)."""
+"""Structural, bit-exact comparison of checkpoints (types, key order, strides, ties), and the
+chains and decode paths several test files share."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
+
+from tpde import unframe
+
+#: A test run with frames decompressed by ``tpde._zframes`` and by zstandard.
+ZSTD = pytest.mark.parametrize("z", [True, False], ids=["zframes", "zstandard"])
+
+
+def zstd_path(mp: pytest.MonkeyPatch, z: bool) -> None:
+    """Frames decompressed by ``tpde._zframes`` (the system's libzstd, outside the GIL) or,
+    as where it found none, by zstandard."""
+    if z and unframe.zframes is None:
+        pytest.skip("no zstd library was found for tpde._zframes")
+    if not z:
+        mp.setattr(unframe, "zframes", None)
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

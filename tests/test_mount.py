@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpde
-from helpers import assert_same
+from helpers import assert_same, zstd_path
 from tpde.cli import main as cli
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -179,12 +179,18 @@ def test_export_writes_a_standalone_keyframe(tmp_path) -> None:
     assert_same(exported.load(3), {"w": w, "note": {"step": 3}})  # what was saved
 
 
-@pytest.mark.parametrize("resident", ["host", "store"])
-def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str) -> None:
+@pytest.mark.parametrize("resident,z", [("host", True), ("store", True), ("store", False)],
+                         ids=["host", "store", "store-zstandard"])
+def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str, z: bool,
+                                                   monkeypatch) -> None:
+    """Damage anywhere in a run is an error or harmless to a mount at budget 0, its small
+    records' frames decompressed by ``tpde._zframes`` or, without it, by zstandard."""
     import random
     import shutil
 
     from campaigns.corrupt import damage
+
+    zstd_path(monkeypatch, z)
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))

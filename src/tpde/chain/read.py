@@ -44,8 +44,17 @@ class _FramesOnDemand:
         runs on the frame threads)."""
         return self._reader.store.kept_open()
 
-    def __getitem__(self, i: int) -> bytes:
-        a, b = self._starts[i], self._starts[i + 1]
+    def __getitem__(self, i: int | slice) -> Any:
+        """Frame ``i``; a slice of frames in one read."""
+        if isinstance(i, slice):
+            first, end, _ = i.indices(len(self))
+            data = memoryview(self._read(self._starts[first], self._starts[end]))
+            at = self._starts[first]
+            return [data[self._starts[k] - at : self._starts[k + 1] - at]
+                    for k in range(first, end)]
+        return self._read(self._starts[i], self._starts[i + 1])
+
+    def _read(self, a: int, b: int) -> Any:
         try:
             return self._reader.store.read_range(self._blob, a, b)
         except FileNotFoundError:
