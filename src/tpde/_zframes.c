@@ -25,7 +25,7 @@
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
 #include <pthread.h>
-#define HAVE_DLOPEN 1
+#define ZFRAMES_DLOPEN 1
 #endif
 
 typedef struct ZSTD_DCtx_s ZSTD_DCtx;
@@ -41,7 +41,7 @@ static const char *(*error_name)(size_t);
 static unsigned long long (*content_size)(const void *, size_t);
 static unsigned (*version_number)(void);
 
-#ifdef HAVE_DLOPEN
+#ifdef ZFRAMES_DLOPEN
 static pthread_key_t dctx_key;  /* each thread's decompression context, freed as it ends */
 
 static void drop_dctx(void *d) { free_dctx((ZSTD_DCtx *)d); }
@@ -78,6 +78,8 @@ static ZSTD_DCtx *thread_dctx(void) {
     }
     return d;
 }
+#else
+static ZSTD_DCtx *thread_dctx(void) { return NULL; }  /* never called: no library opened */
 #endif
 
 enum { MAX_WHY = 160 };
@@ -175,7 +177,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_zframes",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__zframes(void) {
-#ifdef HAVE_DLOPEN
+#ifdef ZFRAMES_DLOPEN
     open_zstd();
 #endif
     return PyModule_Create(&module);
