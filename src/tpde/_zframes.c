@@ -1,11 +1,11 @@
 /* A small stream's zstd frames decompressed in one call, with the GIL released once.
  *
- * tpde.unframe decompresses a stream a frame at a time through zstandard, a Python call per
- * frame, each taking and handing back the GIL. For the few frames of a small record (a
- * mount at budget 0 rebuilds a module's records one after another, 2-4 frames of at most
- * 256 KiB each) those calls and the Python around them cost about as much as zstd itself, and
- * a second thread decoding beside the first waits for the GIL between its frames. Here all of
- * a stream's frames are decompressed in one loop outside the GIL:
+ * Through zstandard a stream is decompressed a frame at a time: per frame a Python call to
+ * parse its header, one to decompress it, and the GIL handed back and taken again around
+ * each, while the other decode threads wait for it between their own frames. A restore of
+ * many small records (a Lightning checkpoint's) spends a good part of its time there: the
+ * latest steps of benchmarks/compare.py's chains restored 9-26% faster with all of a small
+ * stream's frames decompressed in one loop outside the GIL, as here:
  *
  *   unframe(frames, chunk, out)   frame i of the sequence `frames` (byte buffers) into
  *                                 out[i * chunk:], each exactly min(chunk, rest) bytes
