@@ -182,7 +182,7 @@ class Reader(ChainBase):
 
         # Builds the step's records and those its lineages go through (``Records``).
         with collector_paused():
-            wanted = [r for r in target.records if names is None or r.name in names]
+            wanted = list(target.records) if names is None else target.records_named(names)
             for rec in wanted:
                 try:
                     lineage = self._lineage(rec.name, step)
