@@ -314,6 +314,11 @@ def test_a_close_call_between_sparse_and_dense_is_settled_by_coding_both() -> No
     assert (enc.codec, enc.residual) == min(full, key=full.__getitem__)
 
 
+def _whole_bytes(frames: list, raw: int, chunk: int) -> bytes:
+    """A small record's stream, decompressed whole (``unframe.whole``)."""
+    return b"".join(bytes(p) for p in unframe.whole(unframe.Frames(frames, raw, chunk)))
+
+
 @ZSTD
 @given(st.binary(max_size=300_000), st.sampled_from([4096, 65536]))
 def test_frames_round_trip(z: bool, data: bytes, chunk: int) -> None:
@@ -322,8 +327,7 @@ def test_frames_round_trip(z: bool, data: bytes, chunk: int) -> None:
     with pytest.MonkeyPatch.context() as mp:
         zstd_path(mp, z)
         assert unframe.decompress(list(sec.frames), sec.raw, sec.chunk).tobytes() == data
-        small = unframe.Frames(list(sec.frames), sec.raw, sec.chunk)  # a record's, whole
-        assert b"".join(bytes(p) for p in unframe.whole(small)) == data
+        assert _whole_bytes(list(sec.frames), sec.raw, sec.chunk) == data
 
 
 @ZSTD
@@ -340,7 +344,7 @@ def test_a_frame_that_is_not_exactly_its_chunk_is_refused(z: bool, whole: bool) 
 
     def decode(frame: bytes) -> bytes:
         if whole:
-            return b"".join(bytes(p) for p in unframe.whole(unframe.Frames([frame], 4096, 4096)))
+            return _whole_bytes([frame], 4096, 4096)
         out = np.empty(4096, dtype=np.uint8)
         unframe.Framed([frame], 4096, 4096).read_into(0, out)
         return out.tobytes()

@@ -381,7 +381,7 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
         mounted.tpde_mount.close()
 
     m = Chain(run).manifest(2)
-    rec = next(r for r in m.records if r.name == "0.weight")
+    rec = m.record("0.weight")
     s = rec.sections["values"]
     with open(os.path.join(run, m.blob_of(rec)), "r+b") as f:  # in the stream's last frames
         f.seek(s.offset + s.length - s.frames[-1] - 100)
