@@ -7,8 +7,11 @@ a third of the model, and unlimited, at batch 1 and batch 32 (sequence length 32
 the median of ``--repeats`` forwards after one warm-up forward; "peak weights" is the most
 weight memory the model held at any module call, observed from outside the mount. "decoded
 MB/s" is the weights decoded per forward over the forward's time (compute included);
-"decode-only MB/s" is the weights decoded over the time the decodes themselves took
+"decode-only MB/s" is the weights decoded over the time the forwards spent getting them
 (``MountStats.decode_seconds``, all forwards), which compares with the restore path's MB/s.
+Where torch's intra-op threads take every CPU (its default on a machine without SMT), a
+mount decodes nothing ahead; the rows marked "N thr" run torch on one thread fewer, which
+leaves the mount's worker a CPU, beside the dense model on as many.
 A model of large modules (``LARGE``: four 67 MB linear layers) is then run at budget 0 the same
 way, as a language model's layers would be.
 
@@ -23,13 +26,14 @@ random token ids, for a machine without the weights package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -165,6 +169,18 @@ def restored(run: str, step: int, dense: torch.nn.Module, device: torch.device,
     return statistics.median(loads)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (None: left as they are) inside the block."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) -> float:
     sync = torch.cuda.synchronize if next(iter(batch.values())).is_cuda else (lambda: None)
     with torch.no_grad():
@@ -207,6 +223,14 @@ def main() -> None:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     total = sum(v.numel() * v.element_size() for v in state.values())
     results: dict[str, Any] = {"weights_mb": total / 1e6, "rows": []}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    # One thread fewer for torch leaves a CPU to the mount's worker (``tpde.mount``'s prefetch).
+    threads = torch.get_num_threads()
+    fewer = threads - 1 if device.type == "cpu" and 1 < threads and cpus <= threads else None
+    settings: list[tuple[str, int | None, int | None]] = [
+        ("budget 0", 0, None), ("budget 1/3", total // 3, None), ("unlimited", None, None)]
+    if fewer:
+        settings.insert(1, (f"budget 0, {fewer} thr", 0, fewer))
     with tempfile.TemporaryDirectory() as run:
         chunk = {"chunk_bytes": args.chunk} if args.chunk else {}
         with tpde.Checkpointer(run, **chunk) as ckpt:
@@ -217,7 +241,7 @@ def main() -> None:
         print(f"all-MiniLM-L6-v2{' (seeded weights)' if args.seeded_weights else ''}: "
               f"{total / 1e6:.1f} MB of fp32 weights; chain of 3 steps stores "
               f"{stored / 1e6:.1f} MB; on {device}")
-        print(f"{'step':>4s} {'batch':>5s} {'setting':14s} {'latency':>10s} {'x dense':>8s} "
+        print(f"{'step':>4s} {'batch':>5s} {'setting':16s} {'latency':>10s} {'x dense':>8s} "
               f"{'peak weights':>13s} {'decoded MB/s':>13s} {'decode-only MB/s':>17s}")
         for step in ((0,) if args.quick else (0, 2)):
             dense = fresh(model.config).to(device)
@@ -227,20 +251,24 @@ def main() -> None:
             for b, batch in batches.items():
                 base = timed(dense, batch, repeats)
                 rows = [("dense", base, peak_weights(dense, batch), None, None)]
-                for label, budget in (("budget 0", 0), ("budget 1/3", total // 3),
-                                      ("unlimited", None)):
+                if fewer:
+                    with torch_threads(fewer):
+                        rows.append((f"dense, {fewer} thr", timed(dense, batch, repeats),
+                                     rows[0][2], None, None))
+                for label, budget, threads in settings:
                     mounted = tpde.mount(run, step, fresh(model.config), device=device,
                                          budget=budget)
-                    ms = timed(mounted, batch, repeats)
-                    st = mounted.tpde_mount.stats
-                    calls = repeats + 1
-                    again = st.decodes > st.modules  # decoded on every forward
-                    rate = st.decoded_bytes / calls / 1e6 / (ms / 1e3) if again else None
-                    alone = st.decoded_bytes / 1e6 / st.decode_seconds if again else None
-                    rows.append((label, ms, peak_weights(mounted, batch), rate, alone))
+                    with torch_threads(threads):
+                        ms = timed(mounted, batch, repeats)
+                        st = mounted.tpde_mount.stats
+                        calls = repeats + 1
+                        again = st.decodes > st.modules  # decoded on every forward
+                        rate = st.decoded_bytes / calls / 1e6 / (ms / 1e3) if again else None
+                        alone = st.decoded_bytes / 1e6 / st.decode_seconds if again else None
+                        rows.append((label, ms, peak_weights(mounted, batch), rate, alone))
                     mounted.tpde_mount.close()
                 for label, ms, peak, rate, alone in rows:
-                    print(f"{step:4d} {b:5d} {label:14s} {ms:8.1f} ms {ms / base:7.2f}x "
+                    print(f"{step:4d} {b:5d} {label:16s} {ms:8.1f} ms {ms / base:7.2f}x "
                           f"{peak / 1e6:10.1f} MB {'' if rate is None else f'{rate:10.0f}':>13s}"
                           f" {'' if alone is None else f'{alone:14.0f}':>17s}")
                     results["rows"].append({"step": step, "batch": b, "setting": label,

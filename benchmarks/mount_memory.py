@@ -9,7 +9,9 @@ step). A mount at budget 0 holds one module's weights at a time, so its floor is
 module plus what the forward itself allocates (the head's output and the GEMM's workspace):
 the larger model shows how far below a dense load that floor sits once weights dominate.
 Each mount is measured as it is made by default (``resident`` not given), then with
-``resident="store"`` and ``"host"``.
+``resident="store"`` and ``"host"``, and ("ahead") by default with torch on one thread fewer
+than the CPUs, which leaves the mount's worker a CPU to decode the next modules on while they
+fit in the largest module's room (where torch's threads already leave one, every mount does).
 
     python benchmarks/mount_memory.py [--json PATH]
 """
@@ -70,6 +72,10 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
 def measure(folder: str, case: str, dtype: str, size: str) -> None:
     """In a fresh process: the peak rise of resident memory over one forward."""
     import tpde  # noqa: F401  (imported before the baseline, as a user's script has it)
@@ -87,7 +93,9 @@ def measure(folder: str, case: str, dtype: str, size: str) -> None:
             model.load_state_dict(torch.load(os.path.join(folder, "dense.pt"), weights_only=True))
             model(x)
         else:
-            how = {} if case == "default" else {"resident": case}
+            if case == "ahead":
+                torch.set_num_threads(_cpus() - 1)
+            how = {} if case in ("default", "ahead") else {"resident": case}
             mounted = tpde.mount(os.path.join(folder, "run"), model=model, budget=0, **how)
             mounted(x)
     print(json.dumps({"peak_extra_mb": (_rss_kb("VmHWM:") - base) / 1024}))
@@ -110,7 +118,10 @@ def main() -> None:
                 weights = os.path.getsize(os.path.join(folder, "dense.pt")) / 2**20
                 # "default": no ``resident`` given (the store, read by range, for a local run
                 # at budget 0).
-                for case in ("dense", "default", "store", "host"):
+                cases = ["dense", "default", "store", "host"]
+                if 1 < _cpus() <= torch.get_num_threads():
+                    cases.append("ahead")
+                for case in cases:
                     out = subprocess.run([sys.executable, __file__, "--measure", folder, case,
                                           dtype, size], capture_output=True, text=True,
                                          check=True)

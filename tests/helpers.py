@@ -3,6 +3,7 @@ chains and decode paths several test files share."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -21,6 +22,17 @@ def zstd_path(mp: pytest.MonkeyPatch, z: bool) -> None:
         pytest.skip("no zstd library was found for tpde._zframes")
     if not z:
         mp.setattr(unframe, "zframes", None)
+
+
+def flip_bit(run: str, m: Any, rec: Any, at: int | None = None) -> None:
+    """Damage ``rec`` (a record of manifest ``m`` in local run ``run``) in place: one bit of
+    its values section, ``at`` bytes into it (its middle by default)."""
+    s = rec.sections["values"]
+    with open(os.path.join(run, m.blob_of(rec)), "r+b") as f:
+        f.seek(s.offset + (s.length // 2 if at is None else at))
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
 
 
 def assert_same(a: Any, b: Any, path: str = "") -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +9,7 @@ from hypothesis import strategies as st
 
 import tpde
 from campaigns.corrupt import campaign
+from helpers import flip_bit
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
@@ -47,13 +46,7 @@ def test_batches_rebuilt_side_by_side_give_the_step_and_name_a_damaged_record(
     at = data.draw(st.integers(0, last))
     m = chain.manifest(at)
     rec = data.draw(st.sampled_from([r for r in m.records if "values" in r.sections]))
-    s = rec.sections["values"]
-    path = os.path.join(url, m.blob_of(rec))
-    with open(path, "r+b") as f:  # one bit of the record's values flipped in place
-        f.seek(s.offset + s.length // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x10]))
+    flip_bit(url, m, rec)
     found: list = []
     damaged = tpde.Checkpointer(url).chain.materialize(last, problems=found, batch_bytes=batch)
     assert {p.tensor for p in found} <= {rec.name}

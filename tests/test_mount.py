@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tpde
-from helpers import assert_same, zstd_path
+from helpers import assert_same, flip_bit, zstd_path
 from tpde.cli import main as cli
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -89,10 +89,11 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str) -> None:
     limit = {"none": None, "zero": 0, "third": total // 3}[budget]
     model = tpde.mount(run, step, fresh_encoder, device="cpu", budget=limit)
     probe = Probe(model)
-    with torch.no_grad():
+    with torch.no_grad(), probe:
         for _ in range(2):  # the second pass prefetches in the order the first one learned
             assert torch.equal(model(**BATCH), expected)
     stats = model.tpde_mount.stats
+    assert probe.peak > 0
     if limit is not None:
         # Residual non-persistent buffers (position ids) are the model's own, not the mount's.
         own = sum(b.numel() * b.element_size() for n, b in reference.named_buffers()
@@ -101,6 +102,66 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str) -> None:
         assert probe.peak < total // 2  # the bound holds something back at this size
     else:
         assert stats.decodes == stats.modules  # decoded once, kept
+    model.tpde_mount.close()
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+
+@pytest.fixture
+def torch_threads():
+    """``torch.set_num_threads`` for one test, put back after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(_cpus() < 2, reason="decoding ahead needs a CPU torch's threads leave free")
+def test_at_budget_zero_the_next_modules_are_decoded_ahead_on_a_spare_cpu(
+        encoder_chain, torch_threads) -> None:
+    """Where torch's intra-op threads leave a CPU free, a mount at budget 0 decodes the next
+    modules on its worker (or on the forward's thread while the worker is busy) within the
+    largest module's room; where they take every CPU, it decodes nothing ahead. Either way the
+    output is the dense model's and every module is decoded once a forward."""
+    run, folder = encoder_chain
+    with torch.no_grad():
+        expected = {step: dense(folder, step)(**BATCH) for step in (0, 2)}
+    for threads, ahead in ((_cpus() - 1, True), (_cpus(), False)):
+        torch_threads(threads)
+        for step in (0, 2):
+            model = tpde.mount(run, step, fresh_encoder, device="cpu", budget=0, prefetch=4)
+            probe = Probe(model)
+            with torch.no_grad(), probe:
+                for _ in range(3):
+                    assert torch.equal(model(**BATCH), expected[step]), (threads, step)
+            stats = model.tpde_mount.stats
+            assert stats.decodes == 3 * stats.modules
+            assert (stats.decoded_ahead > 0) == ahead, (threads, stats.decoded_ahead)
+            assert probe.peak <= stats.largest_module_bytes + 64 * 8  # + the position ids
+            model.tpde_mount.close()
+
+
+@pytest.mark.skipif(_cpus() < 2, reason="decoding ahead needs a CPU torch's threads leave free")
+def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp_path,
+                                                              torch_threads) -> None:
+    """A damaged record of a module decoded ahead is an error naming its tensor, on this forward
+    and the next: never an output from the damaged words."""
+    import shutil
+
+    from tpde.chain import Chain
+
+    run = str(tmp_path / "run")
+    shutil.copytree(encoder_chain[0], run)
+    m = Chain(run).manifest(2)
+    flip_bit(run, m, m.record("blocks.2.out.weight"))
+    torch_threads(_cpus() - 1)
+    model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0, prefetch=4)
+    for _ in range(2):
+        with pytest.raises(tpde.CorruptionError, match=r"blocks\.2\.out\.weight"), \
+                torch.no_grad():
+            model(**BATCH)
+    assert model.tpde_mount.stats.decoded_ahead > 0
     model.tpde_mount.close()
 
 
@@ -381,13 +442,8 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
         mounted.tpde_mount.close()
 
     m = Chain(run).manifest(2)
-    rec = m.record("0.weight")
-    s = rec.sections["values"]
-    with open(os.path.join(run, m.blob_of(rec)), "r+b") as f:  # in the stream's last frames
-        f.seek(s.offset + s.length - s.frames[-1] - 100)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x10]))
+    s = m.record("0.weight").sections["values"]
+    flip_bit(run, m, m.record("0.weight"), at=s.length - s.frames[-1] - 100)  # a last frame
     mounted = tpde.mount(run, 2, _large_net(), device="cpu", budget=0)
     with pytest.raises(tpde.CorruptionError, match=r"0\.weight"), torch.no_grad():
         mounted(x)

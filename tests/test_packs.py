@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpde
-from helpers import assert_same, training_state
+from helpers import assert_same, flip_bit, training_state
 from tpde.errors import CorruptionError, FormatError
 
 
@@ -83,13 +83,7 @@ def test_a_damaged_pack_is_an_error_that_names_it(tmp_path) -> None:
             ck.save(step, state)
     chain = tpde.Checkpointer(run).chain
     m = chain.manifest(0)
-    rec = packs(m)[0]
-    s = rec.sections["values"]
-    with open(os.path.join(run, m.blob_of(rec)), "r+b") as f:
-        f.seek(s.offset + s.length // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x10]))
+    flip_bit(run, m, packs(m)[0])
     for step in (0, 1):
         with pytest.raises(CorruptionError, match="model/<pack float32>") as caught:
             tpde.Checkpointer(run).load(step)
