@@ -165,6 +165,33 @@ def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp
     model.tpde_mount.close()
 
 
+def test_a_forward_that_fails_to_read_its_weights_leaves_the_budget_to_the_next(
+        encoder_chain, tmp_path) -> None:
+    """A module whose weights cannot be read (its blob gone for a moment) fails its forward;
+    once the blob is back, forwards compute as the dense model and the budget holds again: the
+    failed module is not taken for one still running, which would keep its weights."""
+    import shutil
+
+    from tpde.chain import Chain
+
+    run, folder = str(tmp_path / "run"), encoder_chain[1]
+    shutil.copytree(encoder_chain[0], run)
+    blob = os.path.join(run, Chain(run).manifest(0).blob)
+    with torch.no_grad():
+        expected = dense(folder, 0)(**BATCH)
+    model = tpde.mount(run, 0, fresh_encoder, device="cpu", budget=0, resident="store")
+    os.rename(blob, blob + ".away")
+    with pytest.raises(tpde.TPDEError), torch.no_grad():
+        model(**BATCH)
+    os.rename(blob + ".away", blob)
+    probe = Probe(model)
+    with torch.no_grad(), probe:
+        for _ in range(2):
+            assert torch.equal(model(**BATCH), expected)
+    assert probe.peak <= model.tpde_mount.stats.largest_module_bytes + 64 * 8  # + position ids
+    model.tpde_mount.close()
+
+
 @pytest.mark.slow
 def test_mount_never_writes_even_while_a_writer_appends(encoder_chain, tmp_path) -> None:
     run, folder = encoder_chain

@@ -351,9 +351,9 @@ class Mount:
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before()
-            try:
+            try:  # ``after`` also when ``before`` fails: the module is no longer running
+                if before is not None:
+                    before()
                 return inner(*args, **kwargs)
             finally:
                 after()
