@@ -353,15 +353,15 @@ def test_a_mounted_transformer_computes_as_the_dense_one_fast_path_included(tmp_
 
 
 def test_decode_seconds_count_the_decodes_and_nothing_else(tmp_path) -> None:
-    """``MountStats.decode_seconds`` is what mount_bench divides the decoded bytes by: it grows
-    with every decode, not with forwards that decode nothing, and stays within the forwards'
-    wall time at budget 0 (where every decode runs on the forward's thread)."""
+    """``MountStats.decode_seconds`` is what mount_bench divides the decoded bytes by, the time
+    forwards spent getting their weights: it grows with every forward that decodes, not with
+    forwards that decode nothing, and stays within the forwards' wall time."""
     torch.manual_seed(0)
     run = str(tmp_path / "run")
     with tpde.Checkpointer(run) as ckpt:
         ckpt.save(0, CausalLM().state_dict())
     ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(2))
-    # No prefetching: a decode on the worker thread could still be adding to the count here.
+    # No prefetching: each decode is one the forward waits for, on its own thread.
     kept = tpde.mount(run, 0, CausalLM(), device="cpu", budget=None, prefetch=0)
     with torch.no_grad():
         kept(ids)
