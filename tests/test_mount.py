@@ -260,6 +260,13 @@ def test_prefix_container_factory_and_meta_model(tmp_path) -> None:
     assert_same(dict(tpde.load_state_dict(run, model=net)), dict(net.state_dict()))
     with pytest.raises(tpde.TPDEError, match="no stored tensor"):
         tpde.mount(run, model=torch.nn.Linear(3, 3), device="cpu")
+    for bad, match in [({"budget": -1}, "budget"), ({"budget": 1.5}, "budget"),
+                       ({"prefetch": -1}, "prefetch"), ({"prefetch": True}, "prefetch"),
+                       ({"resident": "disk"}, "resident"), ({"decoder": "gpu"}, "decoder")]:
+        with pytest.raises(ValueError, match=match):
+            tpde.mount(run, model=skeleton, device="cpu", **bad)
+    with torch.no_grad():  # the model is as it was
+        assert torch.equal(model(x), net(x))
 
 
 def test_export_writes_a_standalone_keyframe(tmp_path) -> None:

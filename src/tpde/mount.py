@@ -13,6 +13,7 @@ device the words are rebuilt there: nvCOMP decompresses and Triton kernels do th
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import threading
 import time
@@ -106,6 +107,12 @@ class Mount:
                  device: torch.device, budget: int | None, prefetch: int,
                  resident: str, units: tuple[type, ...] = (), decoder: str = "auto") -> None:
         units = UNITS + tuple(units)
+        if budget is not None and (isinstance(budget, bool) or
+                                   not isinstance(budget, numbers.Integral) or budget < 0):
+            raise ValueError(f"budget must be None or bytes >= 0, got {budget!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) \
+                or prefetch < 0:
+            raise ValueError(f"prefetch must be a number of modules >= 0, got {prefetch!r}")
         if decoder not in ("auto", "cpu", "kernels"):
             raise ValueError('decoder must be "auto", "cpu" or "kernels"')
         kernels = decoder == "kernels" or (decoder == "auto" and device.type == "cuda")
