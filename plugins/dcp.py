@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from tpde import codec, dtypes, frames, transform
-from tpde.api import check_reference
+from tpde.api import check_reference, check_settings
 from tpde.chain import DATA, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
@@ -144,6 +144,9 @@ class Writer(OnRun, StorageWriter):
         super().__init__()
         self.lease_seconds, self.takeover = lease_seconds, takeover
         check_reference(reference)
+        check_settings(keyframe_every=keyframe_every, level=level, chunk_bytes=chunk_bytes,
+                       threads=threads, max_inflight_bytes=max_inflight_bytes,
+                       lease_seconds=lease_seconds)
         self.reference = reference
         self._keep: dict[str, torch.Tensor] | None = None
         if type(step) is not int or step < 0:

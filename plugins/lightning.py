@@ -25,7 +25,7 @@ import torch
 from tpde import entry as entries
 from tpde import frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
-                      check_deltas_against, check_reference, snapshot)
+                      check_deltas_against, check_reference, check_settings, snapshot)
 from tpde.chain import PREVIOUS
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.quant import Bound, Bounds
@@ -127,6 +127,8 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             raise ValueError("max_pending must be >= 0")
         check_reference(reference)  # here, not first in the background worker
         check_deltas_against(deltas_against)
+        check_settings(keyframe_every=keyframe_every, level=level, threads=threads,
+                       max_inflight_bytes=max_inflight_bytes, lease_seconds=lease_seconds)
         self.bounds = Bounds(error_bound) if error_bound is not None else None
         self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
                             lease_seconds=lease_seconds, takeover=takeover, reference=reference,

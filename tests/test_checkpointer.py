@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tpde
+import tpde.dcp
 from helpers import assert_same, decode_depths
 from tpde import codec, store
 
@@ -813,6 +814,30 @@ def test_a_forked_child_restores_after_its_parent_did(tmp_path) -> None:
     assert tpde.Checkpointer(run).load(1)["w"][0] == 1  # the parent's threads now exist
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_load_in_child, (run, 1)).get(timeout=60) == [1.0, 2.0, 3.0, 4.0]
+
+
+BAD_SETTINGS = [("threads", 0), ("threads", -1), ("threads", 1.5), ("chunk_bytes", 0),
+                ("chunk_bytes", -5), ("chunk_bytes", 32 << 20), ("max_inflight_bytes", 0),
+                ("max_inflight_bytes", -1), ("level", 99), ("level", 1.5),
+                ("lease_seconds", 0), ("lease_seconds", -1), ("lease_seconds", float("nan")),
+                ("keyframe_every", 0), ("keyframe_every", 2.5)]
+
+
+@pytest.mark.parametrize("name,value", BAD_SETTINGS)
+def test_settings_a_save_cannot_use_are_refused_before_anything_is_written(tmp_path, name,
+                                                                            value) -> None:
+    """At construction, naming the setting: a chunk of 0 divided by zero at the first save, a
+    negative thread count failed there, and a ``max_inflight_bytes`` of 0 stored every float
+    of a tensor as a record of its own."""
+    run = tmp_path / "r"
+    with pytest.raises(ValueError, match=name):
+        tpde.Checkpointer(str(run), **{name: value})
+    with pytest.raises(ValueError, match=name):
+        tpde.dcp.Writer(str(run), 0, **{name: value})
+    if name != "chunk_bytes":  # the Lightning plugin keeps the default chunk
+        with pytest.raises(ValueError, match=name):
+            tpde.TPDECheckpointIO(**{name: value})
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("margin", [0, -0.5, 1.01, float("nan")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -24,6 +26,36 @@ def check_reference(reference: str) -> None:
 def check_deltas_against(against: str) -> None:
     if against not in DELTAS_AGAINST:
         raise ValueError(f"deltas_against must be one of {DELTAS_AGAINST}, got {against!r}")
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_settings(*, keyframe_every: int, level: int | None, threads: int | None,
+                   max_inflight_bytes: int, lease_seconds: float,
+                   chunk_bytes: int = frames.DEFAULT_CHUNK) -> None:
+    """Refuse, before anything is written, settings a save would only fail on later (in
+    Lightning's background worker) or quietly turn into others: a chunk of 0 divided by zero
+    at the first save, a ``max_inflight_bytes`` of 0 stored a tensor of 1000 floats as 1000
+    records of one."""
+    if not _whole(keyframe_every) or keyframe_every < 1:
+        raise ValueError(f"keyframe_every must be a whole number >= 1, got {keyframe_every!r}")
+    if level is not None and (not _whole(level)
+                              or not frames.MIN_LEVEL <= level <= frames.MAX_LEVEL):
+        raise ValueError(f"level must be None (tpde's fast default) or a zstd level in "
+                         f"[{frames.MIN_LEVEL}, {frames.MAX_LEVEL}], got {level!r}")
+    if not _whole(chunk_bytes) or not frames.MIN_CHUNK <= chunk_bytes <= frames.MAX_CHUNK:
+        raise ValueError(f"chunk_bytes must be in [{frames.MIN_CHUNK}, {frames.MAX_CHUNK}], "
+                         f"got {chunk_bytes!r}")
+    if threads is not None and (not _whole(threads) or threads < 1):
+        raise ValueError(f"threads must be None (one a core, up to 8) or >= 1, got {threads!r}")
+    if not _whole(max_inflight_bytes) or max_inflight_bytes < 1:
+        raise ValueError(f"max_inflight_bytes must be a whole number of bytes >= 1, got "
+                         f"{max_inflight_bytes!r}")
+    if not isinstance(lease_seconds, numbers.Real) or not math.isfinite(lease_seconds) \
+            or lease_seconds <= 0:
+        raise ValueError(f"lease_seconds must be a finite number > 0, got {lease_seconds!r}")
 
 
 @dataclass(frozen=True)
@@ -149,8 +181,9 @@ class Checkpointer:
         self.deltas_against = deltas_against
         self.bounds = quant.Bounds(error_bound) if error_bound is not None else None
         self._bounds_checked = False
-        if keyframe_every < 1:
-            raise ValueError("keyframe_every must be >= 1")
+        check_settings(keyframe_every=keyframe_every, level=level, chunk_bytes=chunk_bytes,
+                       threads=threads, max_inflight_bytes=max_inflight_bytes,
+                       lease_seconds=lease_seconds)
         if not 0 < key_margin <= 1:  # above 1 a delta could be stored larger than a keyframe
             raise ValueError("key_margin must be in (0, 1]")
         check_reference(reference)

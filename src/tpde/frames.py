@@ -28,6 +28,8 @@ except ImportError:  # built without a compiler: numpy's passes
 
 DEFAULT_CHUNK = 256 * 1024
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024
+#: zstd's levels: its negative (fast) levels from ``ZSTD_minCLevel`` up to its strongest.
+MIN_LEVEL, MAX_LEVEL = -(1 << 17), zstandard.MAX_COMPRESSION_LEVEL
 #: None: the parameters of ``compressor`` below, measured for byte planes; an int: that zstd level.
 DEFAULT_LEVEL: int | None = None
 
