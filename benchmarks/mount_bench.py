@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 
 import tpde
+from tpde.frame_threads import usable_cpus
 
 SEQ = 32
 
@@ -223,10 +224,10 @@ def main() -> None:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     total = sum(v.numel() * v.element_size() for v in state.values())
     results: dict[str, Any] = {"weights_mb": total / 1e6, "rows": []}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
     # One thread fewer for torch leaves a CPU to the mount's worker (``tpde.mount``'s prefetch).
-    threads = torch.get_num_threads()
-    fewer = threads - 1 if device.type == "cpu" and 1 < threads and cpus <= threads else None
+    torch_has = torch.get_num_threads()
+    fewer = torch_has - 1 \
+        if device.type == "cpu" and 1 < torch_has and usable_cpus() <= torch_has else None
     settings: list[tuple[str, int | None, int | None]] = [
         ("budget 0", 0, None), ("budget 1/3", total // 3, None), ("unlimited", None, None)]
     if fewer:

@@ -72,13 +72,10 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-
-
 def measure(folder: str, case: str, dtype: str, size: str) -> None:
     """In a fresh process: the peak rise of resident memory over one forward."""
     import tpde  # noqa: F401  (imported before the baseline, as a user's script has it)
+    from tpde.frame_threads import usable_cpus
 
     torch.manual_seed(1)
     x = torch.randint(0, SIZES[size][0], (2, 64))
@@ -94,7 +91,7 @@ def measure(folder: str, case: str, dtype: str, size: str) -> None:
             model(x)
         else:
             if case == "ahead":
-                torch.set_num_threads(_cpus() - 1)
+                torch.set_num_threads(usable_cpus() - 1)
             how = {} if case in ("default", "ahead") else {"resident": case}
             mounted = tpde.mount(os.path.join(folder, "run"), model=model, budget=0, **how)
             mounted(x)
@@ -118,8 +115,10 @@ def main() -> None:
                 weights = os.path.getsize(os.path.join(folder, "dense.pt")) / 2**20
                 # "default": no ``resident`` given (the store, read by range, for a local run
                 # at budget 0).
+                from tpde.frame_threads import usable_cpus
+
                 cases = ["dense", "default", "store", "host"]
-                if 1 < _cpus() <= torch.get_num_threads():
+                if 1 < usable_cpus() <= torch.get_num_threads():
                     cases.append("ahead")
                 for case in cases:
                     out = subprocess.run([sys.executable, __file__, "--measure", folder, case,

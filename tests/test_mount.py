@@ -13,9 +13,10 @@ import torch
 import tpde
 from helpers import assert_same, flip_bit, zstd_path
 from tpde.cli import main as cli
+from tpde.frame_threads import usable_cpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from mount_bench import Probe, drift  # noqa: E402  (the benchmark's own update model and probe)
+from mount_bench import Probe, drift, torch_threads  # noqa: E402  (the benchmark's own)
 
 
 class Encoder(torch.nn.Module):
@@ -105,21 +106,13 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str) -> None:
     model.tpde_mount.close()
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+#: Tests of decoding ahead, which needs a CPU that torch's threads leave free.
+AHEAD = pytest.mark.skipif(usable_cpus() < 2, reason="decoding ahead needs two CPUs")
 
 
-@pytest.fixture
-def torch_threads():
-    """``torch.set_num_threads`` for one test, put back after it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
-@pytest.mark.skipif(_cpus() < 2, reason="decoding ahead needs a CPU torch's threads leave free")
+@AHEAD
 def test_at_budget_zero_the_next_modules_are_decoded_ahead_on_a_spare_cpu(
-        encoder_chain, torch_threads) -> None:
+        encoder_chain) -> None:
     """Where torch's intra-op threads leave a CPU free, a mount at budget 0 decodes the next
     modules on its worker (or on the forward's thread while the worker is busy) within the
     largest module's room; where they take every CPU, it decodes nothing ahead. Either way the
@@ -127,12 +120,11 @@ def test_at_budget_zero_the_next_modules_are_decoded_ahead_on_a_spare_cpu(
     run, folder = encoder_chain
     with torch.no_grad():
         expected = {step: dense(folder, step)(**BATCH) for step in (0, 2)}
-    for threads, ahead in ((_cpus() - 1, True), (_cpus(), False)):
-        torch_threads(threads)
+    for threads, ahead in ((usable_cpus() - 1, True), (usable_cpus(), False)):
         for step in (0, 2):
             model = tpde.mount(run, step, fresh_encoder, device="cpu", budget=0, prefetch=4)
             probe = Probe(model)
-            with torch.no_grad(), probe:
+            with torch_threads(threads), torch.no_grad(), probe:
                 for _ in range(3):
                     assert torch.equal(model(**BATCH), expected[step]), (threads, step)
             stats = model.tpde_mount.stats
@@ -142,9 +134,9 @@ def test_at_budget_zero_the_next_modules_are_decoded_ahead_on_a_spare_cpu(
             model.tpde_mount.close()
 
 
-@pytest.mark.skipif(_cpus() < 2, reason="decoding ahead needs a CPU torch's threads leave free")
-def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp_path,
-                                                              torch_threads) -> None:
+@AHEAD
+def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp_path
+                                                              ) -> None:
     """A damaged record of a module decoded ahead is an error naming its tensor, on this forward
     and the next: never an output from the damaged words."""
     import shutil
@@ -155,11 +147,10 @@ def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp
     shutil.copytree(encoder_chain[0], run)
     m = Chain(run).manifest(2)
     flip_bit(run, m, m.record("blocks.2.out.weight"))
-    torch_threads(_cpus() - 1)
     model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0, prefetch=4)
     for _ in range(2):
         with pytest.raises(tpde.CorruptionError, match=r"blocks\.2\.out\.weight"), \
-                torch.no_grad():
+                torch_threads(usable_cpus() - 1), torch.no_grad():
             model(**BATCH)
     assert model.tpde_mount.stats.decoded_ahead > 0
     model.tpde_mount.close()
@@ -218,7 +209,7 @@ def test_mount_never_writes_even_while_a_writer_appends(encoder_chain, tmp_path)
 
 @pytest.mark.s3
 @pytest.mark.slow
-def test_mount_from_s3_by_range_reads(s3_server, encoder_chain, torch_threads) -> None:
+def test_mount_from_s3_by_range_reads(s3_server, encoder_chain) -> None:
     """A run on S3 mounted at budget 0 range-reads what each forward decodes; where torch
     leaves a CPU free, the worker's reads and the forward's thread's go side by side."""
     run, folder = encoder_chain
@@ -234,9 +225,8 @@ def test_mount_from_s3_by_range_reads(s3_server, encoder_chain, torch_threads) -
     with torch.no_grad():
         expected = dense(folder, 2)(**BATCH)
         assert torch.equal(model(**BATCH), expected)
-    if _cpus() > 1:
-        torch_threads(_cpus() - 1)
-        with torch.no_grad():
+    if usable_cpus() > 1:
+        with torch_threads(usable_cpus() - 1), torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(**BATCH), expected)
         assert model.tpde_mount.stats.decoded_ahead > 0

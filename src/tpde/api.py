@@ -28,7 +28,8 @@ def check_deltas_against(against: str) -> None:
         raise ValueError(f"deltas_against must be one of {DELTAS_AGAINST}, got {against!r}")
 
 
-def _whole(value: Any) -> bool:
+def whole(value: Any) -> bool:
+    """An integer (numpy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -39,18 +40,18 @@ def check_settings(*, keyframe_every: int, level: int | None, threads: int | Non
     Lightning's background worker) or quietly turn into others: a chunk of 0 divided by zero
     at the first save, a ``max_inflight_bytes`` of 0 stored a tensor of 1000 floats as 1000
     records of one."""
-    if not _whole(keyframe_every) or keyframe_every < 1:
+    if not whole(keyframe_every) or keyframe_every < 1:
         raise ValueError(f"keyframe_every must be a whole number >= 1, got {keyframe_every!r}")
-    if level is not None and (not _whole(level)
+    if level is not None and (not whole(level)
                               or not frames.MIN_LEVEL <= level <= frames.MAX_LEVEL):
         raise ValueError(f"level must be None (tpde's fast default) or a zstd level in "
                          f"[{frames.MIN_LEVEL}, {frames.MAX_LEVEL}], got {level!r}")
-    if not _whole(chunk_bytes) or not frames.MIN_CHUNK <= chunk_bytes <= frames.MAX_CHUNK:
+    if not whole(chunk_bytes) or not frames.MIN_CHUNK <= chunk_bytes <= frames.MAX_CHUNK:
         raise ValueError(f"chunk_bytes must be in [{frames.MIN_CHUNK}, {frames.MAX_CHUNK}], "
                          f"got {chunk_bytes!r}")
-    if threads is not None and (not _whole(threads) or threads < 1):
+    if threads is not None and (not whole(threads) or threads < 1):
         raise ValueError(f"threads must be None (one a core, up to 8) or >= 1, got {threads!r}")
-    if not _whole(max_inflight_bytes) or max_inflight_bytes < 1:
+    if not whole(max_inflight_bytes) or max_inflight_bytes < 1:
         raise ValueError(f"max_inflight_bytes must be a whole number of bytes >= 1, got "
                          f"{max_inflight_bytes!r}")
     if not isinstance(lease_seconds, numbers.Real) or not math.isfinite(lease_seconds) \

@@ -27,6 +27,13 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), which a mount's worker and torch's
+    intra-op threads share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+
+
 def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
            raw: int, least: int | None = None) -> None:
     """``work`` over ``count`` frames (or slices of words) on up to ``threads`` threads, this

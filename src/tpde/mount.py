@@ -13,8 +13,6 @@ device the words are rebuilt there: nvCOMP decompresses and Triton kernels do th
 from __future__ import annotations
 
 import functools
-import numbers
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -24,8 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import dtypes, heap, keys, tree
+from . import dtypes, frame_threads, heap, keys, tree
 from . import entry as entries
+from .api import whole
 from .chain import Chain, span_places, span_words
 from .chain import sharded
 from .errors import CorruptionError, TPDEError
@@ -107,11 +106,9 @@ class Mount:
                  device: torch.device, budget: int | None, prefetch: int,
                  resident: str, units: tuple[type, ...] = (), decoder: str = "auto") -> None:
         units = UNITS + tuple(units)
-        if budget is not None and (isinstance(budget, bool) or
-                                   not isinstance(budget, numbers.Integral) or budget < 0):
+        if budget is not None and (not whole(budget) or budget < 0):
             raise ValueError(f"budget must be None or bytes >= 0, got {budget!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, numbers.Integral) \
-                or prefetch < 0:
+        if not whole(prefetch) or prefetch < 0:
             raise ValueError(f"prefetch must be a number of modules >= 0, got {prefetch!r}")
         if decoder not in ("auto", "cpu", "kernels"):
             raise ValueError('decoder must be "auto", "cpu" or "kernels"')
@@ -189,8 +186,7 @@ class Mount:
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpde-mount") if prefetch else None
-        self._cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-            os.cpu_count() or 1
+        self._cpus = frame_threads.usable_cpus()
         #: Prefetching on a CUDA device decodes on its own stream, beside the forward's.
         self._side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         self._order: list[str] = list(self.names)
