@@ -7,7 +7,8 @@ stay; the others are released after use). With ``prefetch`` the next modules in 
 order are decoded on a worker thread (on a CUDA device, on a stream of its own) while the
 current one is decoded and computes, within the budget plus the largest module. On a CUDA
 device the words are rebuilt there: nvCOMP decompresses and Triton kernels do the rest
-(``tpde.kernels.backend``). Nothing is ever written to the store.
+(``tpde.kernels.backend``). Nothing is ever written to the store. Which records each
+module needs, and how its tensors view them, is worked out once, by ``tpde.slots``.
 """
 
 from __future__ import annotations
@@ -22,60 +23,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import dtypes, frame_threads, heap, keys, tree
+from . import frame_threads, heap, keys, slots
 from . import entry as entries
 from .api import whole
-from .chain import Chain, span_places, span_words
+from .chain import Chain, span_words
 from .chain import sharded
 from .errors import CorruptionError, TPDEError
 from .resident import ResidentStore
-
-@dataclass(frozen=True)
-class _Slot:
-    """One stored tensor of the model: which records hold its span (one, or the span's pieces)
-    and how it views that span."""
-
-    key: str
-    records: tuple[str, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    #: A sharded step's tensor: its DCP item, put together from its chunks' records.
-    dcp: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return _numel(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
-
-
-def _in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
-    """``count`` words from the heap (``heap.in_heap``), where a memory-first decode's go."""
-    return torch.from_numpy(heap.in_heap(count * word_dtype.itemsize)).view(word_dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-#: Modules whose forward reads their children's weights directly (not through the children's
-#: forward): their whole subtree is decoded as one unit.
-UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
-                           torch.nn.TransformerDecoderLayer)
-
-
-def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
-    """The outermost ancestor of ``owner`` (itself included) that is a unit, else ``owner``."""
-    parts = owner.split(".") if owner else []
-    for depth in range(len(parts) + 1):
-        name = ".".join(parts[:depth])
-        if isinstance(model.get_submodule(name), units):
-            return name
-    return owner
-
 
 @dataclass
 class MountStats:
@@ -105,7 +59,6 @@ class Mount:
     def __init__(self, chain: Chain, step: int, model: torch.nn.Module, *,
                  device: torch.device, budget: int | None, prefetch: int,
                  resident: str, units: tuple[type, ...] = (), decoder: str = "auto") -> None:
-        units = UNITS + tuple(units)
         if budget is not None and (not whole(budget) or budget < 0):
             raise ValueError(f"budget must be None or bytes >= 0, got {budget!r}")
         if not whole(prefetch) or prefetch < 0:
@@ -131,49 +84,21 @@ class Mount:
         self.chain, self.step, self.model, self.device = chain, step, model, device
         self.budget, self.prefetch = budget, prefetch
         self.stats = MountStats()
-        m = chain.manifest(step)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        wanted = list(shapes)
-        found, self.container, self.prefix = keys.match(m.skeleton, shapes)
-        missing = [k for k in wanted if k not in found]
-        if missing:
-            raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
-                            f"{len(wanted)} state-dict keys of the same shape (first: "
-                            f"{missing[:3]}); build the model whose checkpoint this is",
-                            run=chain.url, step=step)
-        spans = m.spans()
+        mounted = slots.plan(chain, step, model, units)
         #: Packs (small tensors stored together, ``tree.pack``): decoded once a forward, for
         #: every module with a tensor in them, not once for each (``_pack_words``).
-        self._pack_names = {r.name for r in m.records if r.parts}
+        self._pack_names = mounted.packs
         self._packs: dict[str, torch.Tensor] = {}
         self._packs_lock = threading.Lock()
-        self.slots: dict[str, list[tuple[str, str, bool, _Slot]]] = {}
-        for key, node in found.items():
-            if "$dcp" in node:
-                self._add(key, self._sharded_slot(m, key, node["$dcp"]), units)
-                continue
-            i = node["$t"]
-            if not isinstance(i, int) or not 0 <= i < len(spans):
-                raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
-            recs = spans[i]
-            # A tensor of a pack views its part of the pack's words (``tree.pack``).
-            try:
-                start = 0 if "part" not in node else \
-                    tree.part_range(node["part"], sum(r.numel for r in recs))[0]
-            except TPDEError as exc:
-                raise exc.located(run=chain.url, step=step, tensor=key) from None
-            slot = _Slot(key, tuple(r.name for r in recs),
-                         dtypes.by_name(recs[0].dtype).torch_dtype, tuple(node["shape"]),
-                         tuple(node["stride"]), start + int(node["offset"]))
-            self._add(key, slot, units)
+        self.units = mounted.units
         # What the chain does not hold (non-persistent buffers such as position ids) moves to
         # the device as it is.
         for key, buf in list(model.named_buffers()):
-            if key not in found and buf.device.type != "meta":
+            if key not in mounted.stored and buf.device.type != "meta":
                 owner, _, attr = key.rpartition(".")
                 model.get_submodule(owner)._buffers[attr] = buf.to(device)
-        self.names = list(self.slots)
-        self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.slots.items()}
+        self.names = list(self.units)
+        self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.units.items()}
         self.stats.modules = len(self.names)
         self.stats.largest_module_bytes = max(self.sizes.values(), default=0)
         self.held = resident == "host"
@@ -202,29 +127,13 @@ class Mount:
             self._wrap(model.get_submodule(name), self._pre(name), self._post(name))
         self._wrap(model, None, self._learned)
 
-    def _add(self, key: str, slot: _Slot, units: tuple[type, ...]) -> None:
-        owner, _, attr = key.rpartition(".")
-        module = self.model.get_submodule(owner)
-        unit = _unit(self.model, owner, units)
-        self.slots.setdefault(unit, []).append((owner, attr, attr in module._parameters, slot))
-
-    def _sharded_slot(self, m: Any, key: str, fqn: str) -> _Slot:
-        t = (m.dcp or {}).get("tensors", {}).get(fqn)
-        if t is None:
-            raise TPDEError(f"the step's DCP metadata has no tensor {fqn!r}",
-                            run=self.chain.url, step=self.step, tensor=fqn)
-        shape = tuple(t["size"])
-        stride = tuple(torch.empty(shape, device="meta").stride())
-        return _Slot(key, tuple(sharded.item_records(m, fqn)),
-                     dtypes.by_name(t["dtype"]).torch_dtype, shape, stride, 0, dcp=fqn)
-
     # ------------------------------------------------------------------ decoding
     def _hold(self) -> None:
         """Read every compressed section the mounted tensors need, once, into memory."""
         wanted: dict[str, set[tuple[int, int]]] = {}
         steps: dict[str, int] = {}
-        for slots in self.slots.values():
-            for name in {n for *_, slot in slots for n in slot.records}:
+        for owned in self.units.values():
+            for name in {n for *_, slot in owned for n in slot.records}:
                 for at, rec in self.chain._lineage(name, self.step):
                     if not rec.sections:
                         continue
@@ -253,11 +162,12 @@ class Mount:
         return out
 
     def _decode(self, name: str) -> dict[str, torch.Tensor]:
-        slots = self.slots[name]
+        owned = self.units[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
-        whole, into = self._span_buffers(slots)
-        names = {n for *_, s in slots for n in s.records}
+        whole, into = ({}, {}) if self.on is not None else \
+            slots.span_buffers(self.chain, self.step, owned)
+        names = {n for *_, s in owned for n in s.records}
         rest = names - self._pack_names
         # At budget 0 memory comes first: one batch of a step at a time, not the next one
         # decompressed beside it.
@@ -266,7 +176,7 @@ class Mount:
         words.update(self._pack_words(names - rest, check))
         self._checked.add(name)
         out, spans = {}, whole
-        for *_, s in slots:
+        for *_, s in owned:
             if s.records not in spans:  # tied tensors view one span: put it together once
                 spans[s.records] = span_words(s.records, words) if s.dcp is None else \
                     sharded.assemble(self.chain.manifest(self.step), s.dcp, words)
@@ -305,25 +215,8 @@ class Mount:
                                                           on=self.on, look_ahead=False))
             return {n: self._packs[n] for n in names}
 
-    def _span_buffers(self, slots: list[tuple[str, str, bool, _Slot]]
-                      ) -> tuple[dict[tuple[str, ...], torch.Tensor], dict[str, torch.Tensor]]:
-        """One host buffer per span of ``slots`` stored in pieces, and each piece's place in
-        it: the pieces are rebuilt there, not put together after in fresh pages (MiniLM's 47
-        MB embedding in two pieces took a forward at budget 0 from 52-60 ms to 77-80)."""
-        whole: dict[tuple[str, ...], torch.Tensor] = {}
-        into: dict[str, torch.Tensor] = {}
-        if self.on is not None:
-            return whole, into
-        m = self.chain.manifest(self.step)
-        for *_, s in slots:
-            if len(s.records) > 1 and s.dcp is None and s.records not in whole:
-                whole[s.records], places = span_places([m.record(n) for n in s.records],
-                                                       _in_heap)
-                into.update(places)
-        return whole, into
-
     def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        for owner, attr, is_param, s in self.slots[name]:
+        for owner, attr, is_param, s in self.units[name]:
             module, t = self.model.get_submodule(owner), tensors[s.key]
             if self._side is not None:  # made on the side stream, read on this one
                 t.record_stream(torch.cuda.current_stream(self.device))
@@ -334,7 +227,7 @@ class Mount:
 
     def _release(self, name: str) -> None:
         """Put shape-and-dtype placeholders (meta tensors) back; the weights are freed."""
-        for owner, attr, is_param, s in self.slots[name]:
+        for owner, attr, is_param, s in self.units[name]:
             module = self.model.get_submodule(owner)
             ghost = torch.empty(s.shape, dtype=s.dtype, device="meta")
             if is_param:
@@ -493,7 +386,7 @@ def mount(run: str, step: int | None = None,
     ``close()``.
 
     A module's weights are decoded when its own forward runs. Modules whose forward uses their
-    children's weights directly are decoded whole: ``UNITS`` (attention and transformer layers)
+    children's weights directly are decoded whole: ``slots.UNITS`` (attention and transformer layers)
     plus the types in ``units`` (add yours, or the module that reuses a tied weight).
 
     ``prefetch``: how many modules ahead, in the order the first forward ran them, a worker

@@ -1,0 +1,146 @@
+"""Which stored records each module of a mounted model needs, and how its tensors view them.
+
+Made once, when a model is mounted, from the step's manifest and the model's state dict: for
+every unit (a module whose weights are decoded together) the tensors it owns, each as a
+``Slot``. ``tpde.mount`` decides when a unit's records are decoded and when they are released;
+nothing here decodes or holds weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import dtypes, heap, keys, tree
+from .chain import Chain, span_places
+from .chain import sharded
+from .errors import TPDEError
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One stored tensor of the model: which records hold its span (one, or the span's pieces)
+    and how it views that span."""
+
+    key: str
+    records: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    #: A sharded step's tensor: its DCP item, put together from its chunks' records.
+    dcp: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
+
+
+#: A tensor a unit owns: the module that holds it, its attribute there, whether it is a
+#: parameter (else a buffer), and its slot.
+Owned = tuple[str, str, bool, Slot]
+
+
+@dataclass
+class Plan:
+    """A mounted model's tensors, by unit. ``packs`` are the records that hold several small
+    tensors (``tree.pack``), ``stored`` the model's state-dict keys the step holds."""
+
+    units: dict[str, list[Owned]]
+    packs: set[str]
+    stored: set[str]
+
+
+#: Modules whose forward reads their children's weights directly (not through the children's
+#: forward): their whole subtree is decoded as one unit.
+UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer,
+                           torch.nn.TransformerDecoderLayer)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...]) -> Plan:
+    """Every state-dict tensor of ``model`` matched to the step's stored tensor of the same
+    name (under a prefix or container) and shape, grouped by the unit that decodes it."""
+    units = UNITS + tuple(units)
+    m = chain.manifest(step)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found, _, _ = keys.match(m.skeleton, shapes)
+    missing = [k for k in shapes if k not in found]
+    if missing:
+        raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
+                        f"{len(shapes)} state-dict keys of the same shape (first: "
+                        f"{missing[:3]}); build the model whose checkpoint this is",
+                        run=chain.url, step=step)
+    spans = m.spans()
+    out: dict[str, list[Owned]] = {}
+    for key, node in found.items():
+        if "$dcp" in node:
+            slot = _sharded_slot(chain, step, key, node["$dcp"])
+        else:
+            i = node["$t"]
+            if not isinstance(i, int) or not 0 <= i < len(spans):
+                raise TPDEError(f"skeleton refers to span {i!r}", run=chain.url, step=step)
+            recs = spans[i]
+            # A tensor of a pack views its part of the pack's words (``tree.pack``).
+            try:
+                start = 0 if "part" not in node else \
+                    tree.part_range(node["part"], sum(r.numel for r in recs))[0]
+            except TPDEError as exc:
+                raise exc.located(run=chain.url, step=step, tensor=key) from None
+            slot = Slot(key, tuple(r.name for r in recs),
+                        dtypes.by_name(recs[0].dtype).torch_dtype, tuple(node["shape"]),
+                        tuple(node["stride"]), start + int(node["offset"]))
+        owner, _, attr = key.rpartition(".")
+        module = model.get_submodule(owner)
+        out.setdefault(_unit(model, owner, units), []).append(
+            (owner, attr, attr in module._parameters, slot))
+    return Plan(out, {r.name for r in m.records if r.parts}, set(found))
+
+
+def span_buffers(chain: Chain, step: int, owned: list[Owned]
+                 ) -> tuple[dict[tuple[str, ...], torch.Tensor], dict[str, torch.Tensor]]:
+    """One host buffer per span of ``owned`` stored in pieces, and each piece's place in it:
+    the pieces are rebuilt there, not put together after in fresh pages (MiniLM's 47 MB
+    embedding in two pieces took a forward at budget 0 from 52-60 ms to 77-80)."""
+    whole: dict[tuple[str, ...], torch.Tensor] = {}
+    into: dict[str, torch.Tensor] = {}
+    m = chain.manifest(step)
+    for *_, s in owned:
+        if len(s.records) > 1 and s.dcp is None and s.records not in whole:
+            whole[s.records], places = span_places([m.record(n) for n in s.records], _in_heap)
+            into.update(places)
+    return whole, into
+
+
+def _in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
+    """``count`` words from the heap (``heap.in_heap``), where a memory-first decode's go."""
+    return torch.from_numpy(heap.in_heap(count * word_dtype.itemsize)).view(word_dtype)
+
+
+def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
+    """The outermost ancestor of ``owner`` (itself included) that is a unit, else ``owner``."""
+    parts = owner.split(".") if owner else []
+    for depth in range(len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if isinstance(model.get_submodule(name), units):
+            return name
+    return owner
+
+
+def _sharded_slot(chain: Chain, step: int, key: str, fqn: str) -> Slot:
+    m = chain.manifest(step)
+    t = (m.dcp or {}).get("tensors", {}).get(fqn)
+    if t is None:
+        raise TPDEError(f"the step's DCP metadata has no tensor {fqn!r}",
+                        run=chain.url, step=step, tensor=fqn)
+    shape = tuple(t["size"])
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return Slot(key, tuple(sharded.item_records(m, fqn)),
+                dtypes.by_name(t["dtype"]).torch_dtype, shape, stride, 0, dcp=fqn)
