@@ -107,19 +107,18 @@ def main() -> None:
     if args.measure:
         measure(*args.measure)
         return
+    from tpde.frame_threads import usable_cpus
+
+    # "default": no ``resident`` given (the store, read by range, for a local run at budget 0).
+    cases = ["dense", "default", "store", "host"]
+    if 1 < usable_cpus() <= torch.get_num_threads():
+        cases.append("ahead")
     rows = []
     for size in SIZES:
         for dtype in ("float32", "bfloat16"):
             with tempfile.TemporaryDirectory(prefix="tpde-mount-memory-") as folder:
                 build(folder, getattr(torch, dtype), size)
                 weights = os.path.getsize(os.path.join(folder, "dense.pt")) / 2**20
-                # "default": no ``resident`` given (the store, read by range, for a local run
-                # at budget 0).
-                from tpde.frame_threads import usable_cpus
-
-                cases = ["dense", "default", "store", "host"]
-                if 1 < usable_cpus() <= torch.get_num_threads():
-                    cases.append("ahead")
                 for case in cases:
                     out = subprocess.run([sys.executable, __file__, "--measure", folder, case,
                                           dtype, size], capture_output=True, text=True,

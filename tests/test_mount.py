@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import time
+
 import fsspec
 import pytest
 import torch
 
 import tpde
 from helpers import assert_same, flip_bit, zstd_path
+from tpde.chain import Chain
 from tpde.cli import main as cli
 from tpde.frame_threads import usable_cpus
 
@@ -139,10 +142,6 @@ def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp
                                                               ) -> None:
     """A damaged record of a module decoded ahead is an error naming its tensor, on this forward
     and the next: never an output from the damaged words."""
-    import shutil
-
-    from tpde.chain import Chain
-
     run = str(tmp_path / "run")
     shutil.copytree(encoder_chain[0], run)
     m = Chain(run).manifest(2)
@@ -161,10 +160,6 @@ def test_a_forward_that_fails_to_read_its_weights_leaves_the_budget_to_the_next(
     """A module whose weights cannot be read (its blob gone for a moment) fails its forward;
     once the blob is back, forwards compute as the dense model and the budget holds again: the
     failed module is not taken for one still running, which would keep its weights."""
-    import shutil
-
-    from tpde.chain import Chain
-
     run, folder = str(tmp_path / "run"), encoder_chain[1]
     shutil.copytree(encoder_chain[0], run)
     blob = os.path.join(run, Chain(run).manifest(0).blob)
@@ -280,8 +275,6 @@ def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str, z: bo
     """Damage anywhere in a run is an error or harmless to a mount at budget 0, its small
     records' frames decompressed by ``tpde._zframes`` or, without it, by zstandard."""
     import random
-    import shutil
-
     from campaigns.corrupt import damage
 
     zstd_path(monkeypatch, z)
@@ -392,8 +385,6 @@ def test_a_pack_is_decoded_once_a_forward(encoder_chain, monkeypatch) -> None:
     """The encoder's biases and norms are packs (``tree.pack``) that most of its modules view:
     at budget 0 each forward decodes them once, for all of those modules, and lets go of them
     when it ends."""
-    from tpde.chain import Chain
-
     run, folder = encoder_chain
     with torch.no_grad():
         expected = dense(folder, 2)(**BATCH)
@@ -459,8 +450,6 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path)
     is the dense model's at its keyframe and two deltas deep, no file of the run stays open
     after a forward, and a damaged frame of that weight is refused, naming it."""
     from tpde import unframe
-    from tpde.chain import Chain
-
     assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
     run = str(tmp_path / "run")
     x, expected = _large_chain(run)

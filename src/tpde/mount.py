@@ -165,7 +165,7 @@ class Mount:
         owned = self.units[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
-        whole, into = ({}, {}) if self.on is not None else \
+        spans, into = ({}, {}) if self.on is not None else \
             slots.span_buffers(self.chain, self.step, owned)
         names = {n for *_, s in owned for n in s.records}
         rest = names - self._pack_names
@@ -175,7 +175,7 @@ class Mount:
                                        look_ahead=self.budget != 0, into=into) if rest else {}
         words.update(self._pack_words(names - rest, check))
         self._checked.add(name)
-        out, spans = {}, whole
+        out: dict[str, torch.Tensor] = {}
         for *_, s in owned:
             if s.records not in spans:  # tied tensors view one span: put it together once
                 spans[s.records] = span_words(s.records, words) if s.dcp is None else \

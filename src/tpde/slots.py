@@ -8,6 +8,7 @@ nothing here decodes or holds weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from . import dtypes, heap, keys, tree
 from .chain import Chain, span_places
 from .chain import sharded
 from .errors import TPDEError
+from .manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
+        return math.prod(self.shape) * dtypes.BY_TORCH[self.dtype].itemsize
 
 
 #: A tensor a unit owns: the module that holds it, its attribute there, whether it is a
@@ -58,13 +60,6 @@ UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEnco
                            torch.nn.TransformerDecoderLayer)
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...]) -> Plan:
     """Every state-dict tensor of ``model`` matched to the step's stored tensor of the same
     name (under a prefix or container) and shape, grouped by the unit that decodes it."""
@@ -82,7 +77,7 @@ def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...
     out: dict[str, list[Owned]] = {}
     for key, node in found.items():
         if "$dcp" in node:
-            slot = _sharded_slot(chain, step, key, node["$dcp"])
+            slot = _sharded_slot(chain, step, m, key, node["$dcp"])
         else:
             i = node["$t"]
             if not isinstance(i, int) or not 0 <= i < len(spans):
@@ -134,8 +129,7 @@ def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:
     return owner
 
 
-def _sharded_slot(chain: Chain, step: int, key: str, fqn: str) -> Slot:
-    m = chain.manifest(step)
+def _sharded_slot(chain: Chain, step: int, m: Manifest, key: str, fqn: str) -> Slot:
     t = (m.dcp or {}).get("tensors", {}).get(fqn)
     if t is None:
         raise TPDEError(f"the step's DCP metadata has no tensor {fqn!r}",
