@@ -24,6 +24,21 @@ def zstd_path(mp: pytest.MonkeyPatch, z: bool) -> None:
         mp.setattr(unframe, "zframes", None)
 
 
+#: A mount whose modules are rebuilt by ``tpde._rebuild`` in one call, and by the Python path.
+NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+
+
+def native_path(mp: pytest.MonkeyPatch, on: bool) -> None:
+    """Mounts made from here on rebuild their modules natively (``tpde.chain.native``) or, as
+    where ``tpde._rebuild`` is not built, through ``Chain.materialize``."""
+    from tpde.chain import native
+
+    if on and not native.available():
+        pytest.skip("tpde._rebuild not built, or no libzstd found")
+    if not on:
+        mp.setattr(native, "available", lambda: False)
+
+
 def flip_bit(run: str, m: Any, rec: Any, at: int | None = None) -> None:
     """Damage ``rec`` (a record of manifest ``m`` in local run ``run``) in place: one bit of
     its values section, ``at`` bytes into it (its middle by default)."""

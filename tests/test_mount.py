@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tpde
-from helpers import assert_same, flip_bit, zstd_path
+from helpers import NATIVE, assert_same, flip_bit, native_path, zstd_path
 from tpde.chain import Chain
 from tpde.cli import main as cli
 from tpde.frame_threads import usable_cpus
@@ -82,9 +82,12 @@ def encoder_chain(tmp_path_factory) -> tuple[str, str]:
 
 
 @pytest.mark.slow
+@NATIVE
 @pytest.mark.parametrize("step", [0, 2])
 @pytest.mark.parametrize("budget", ["none", "zero", "third"])
-def test_mounted_equals_dense(encoder_chain, step: int, budget: str) -> None:
+def test_mounted_equals_dense(encoder_chain, step: int, budget: str, native: bool,
+                              monkeypatch) -> None:
+    native_path(monkeypatch, native)
     run, folder = encoder_chain
     reference = dense(folder, step)
     with torch.no_grad():
@@ -106,6 +109,9 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str) -> None:
         assert probe.peak < total // 2  # the bound holds something back at this size
     else:
         assert stats.decodes == stats.modules  # decoded once, kept
+    # Natively, every module's stored tensors but its packs' were planned and rebuilt there.
+    planned = model.tpde_mount._native or {}
+    assert bool(planned) == native and all(planned.values())
     model.tpde_mount.close()
 
 
@@ -268,16 +274,21 @@ def test_export_writes_a_standalone_keyframe(tmp_path) -> None:
     assert_same(exported.load(3), {"w": w, "note": {"step": 3}})  # what was saved
 
 
-@pytest.mark.parametrize("resident,z", [("host", True), ("store", True), ("store", False)],
-                         ids=["host", "store", "store-zstandard"])
+@pytest.mark.parametrize("resident,z,native", [("host", True, True), ("store", True, True),
+                                                ("host", True, False), ("store", True, False),
+                                                ("store", False, False)],
+                         ids=["host", "store", "host-python", "store-python",
+                              "store-zstandard"])
 def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str, z: bool,
-                                                   monkeypatch) -> None:
-    """Damage anywhere in a run is an error or harmless to a mount at budget 0, its small
-    records' frames decompressed by ``tpde._zframes`` or, without it, by zstandard."""
+                                                   native: bool, monkeypatch) -> None:
+    """Damage anywhere in a run is an error or harmless to a mount at budget 0, its modules
+    rebuilt natively or through the Python path, whose small records' frames are decompressed
+    by ``tpde._zframes`` or, without it, by zstandard."""
     import random
     from campaigns.corrupt import damage
 
     zstd_path(monkeypatch, z)
+    native_path(monkeypatch, native)
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
@@ -444,12 +455,16 @@ def _large_chain(run: str, storage_options: dict | None = None
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
-def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path) -> None:
-    """A weight of twice ``unframe.FRAMED_SPREAD_BYTES`` and more is decoded at budget 0 in runs
-    of slices on the frame threads, each reading its frames from the store by range: the output
-    is the dense model's at its keyframe and two deltas deep, no file of the run stays open
-    after a forward, and a damaged frame of that weight is refused, naming it."""
+@NATIVE
+def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path, native: bool,
+                                                                        monkeypatch) -> None:
+    """A weight of twice ``unframe.FRAMED_SPREAD_BYTES`` and more is decoded at budget 0 a range
+    at a time, natively or in runs of slices on the frame threads, each reading its frames from
+    the store by range: the output is the dense model's at its keyframe and two deltas deep, no
+    file of the run stays open after a forward, and a damaged frame of that weight is refused,
+    naming it."""
     from tpde import unframe
+    native_path(monkeypatch, native)
     assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
     run = str(tmp_path / "run")
     x, expected = _large_chain(run)

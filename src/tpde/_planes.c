@@ -20,6 +20,9 @@
  *   apply_at(residual, width, rows, positions)  a sparse delta's XOR residual applied to the
  *                                      words at its positions
  *
+ * A capsule, tpde._planes.api (struct planes_api, in _planes.h), hands the join to
+ * tpde._rebuild, which rebuilds a mounted module's words on threads that never hold the GIL.
+ *
  * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
  * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
  * calls them, and numpy's path takes the others). Modes: 0 store, 1 XOR, 2 the zigzagged
@@ -31,6 +34,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_capsule.h"
+#include "_planes.h"
 
 #define RELEASE_BYTES (64 * 1024)
 /* The GIL released around a loop over at least RELEASE_BYTES, and taken back after it. */
@@ -538,4 +544,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_planes",
                                     "Byte planes and residuals in C (see tpde.frames).", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__planes(void) { return PyModule_Create(&module); }
+static const planes_api api = {join_words, words_fit};
+
+PyMODINIT_FUNC PyInit__planes(void) {
+    return module_with_api(&module, &api, PLANES_API);
+}

@@ -11,6 +11,10 @@
  *                                 out[i * chunk:], each exactly min(chunk, rest) bytes
  *   version()                     the zstd library's version number; 0 where none was found
  *
+ * A capsule, tpde._zframes.api (struct zframes_api, in _zframes.h), hands the checked frame
+ * decode and each thread's context to tpde._rebuild, which decompresses a mounted module's
+ * frames on threads that never hold the GIL.
+ *
  * zstd is the system's shared library (libzstd.so.1 and its kin), opened as the module loads:
  * zstandard links its own copy without exporting it. Where none is found, version() is 0 and
  * tpde.unframe keeps to zstandard. Every frame's declared size is checked against its chunk's
@@ -21,6 +25,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+
+#include "_capsule.h"
+#include "_zframes.h"
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <dlfcn.h>
@@ -67,7 +74,7 @@ static void open_zstd(void) {
     }
 }
 
-static ZSTD_DCtx *thread_dctx(void) {
+static void *thread_dctx(void) {
     ZSTD_DCtx *d = (ZSTD_DCtx *)pthread_getspecific(dctx_key);
     if (d == NULL) {
         d = create_dctx();
@@ -79,13 +86,11 @@ static ZSTD_DCtx *thread_dctx(void) {
     return d;
 }
 #else
-static ZSTD_DCtx *thread_dctx(void) { return NULL; }  /* never called: no library opened */
+static void *thread_dctx(void) { return NULL; }  /* never called: no library opened */
 #endif
 
-enum { MAX_WHY = 160 };
-
 /* Frame `f` of `n` bytes into `dst`, exactly `want` bytes; 0, or -1 with `why` filled. */
-static int one_frame(ZSTD_DCtx *d, const char *f, size_t n, char *dst, size_t want, char *why) {
+static int one_frame(void *d, const char *f, size_t n, char *dst, size_t want, char *why) {
     unsigned long long declared = content_size(f, n);
     if (declared == CONTENTSIZE_ERROR) {
         snprintf(why, MAX_WHY, "zstd frame cannot be decoded: its header is damaged");
@@ -176,9 +181,13 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_zframes",
                                     "A small stream's zstd frames in one call (tpde.unframe).",
                                     -1, methods};
 
+static int zstd_found(void) { return version_number != NULL; }
+
+static const zframes_api api = {zstd_found, thread_dctx, one_frame};
+
 PyMODINIT_FUNC PyInit__zframes(void) {
 #ifdef ZFRAMES_DLOPEN
     open_zstd();
 #endif
-    return PyModule_Create(&module);
+    return module_with_api(&module, &api, ZFRAMES_API);
 }

@@ -26,8 +26,7 @@ import torch
 from . import frame_threads, heap, keys, slots
 from . import entry as entries
 from .api import whole
-from .chain import Chain, span_words
-from .chain import sharded
+from .chain import Chain, native, sharded, span_words
 from .errors import CorruptionError, TPDEError
 from .resident import ResidentStore
 
@@ -116,6 +115,10 @@ class Mount:
         self._side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         self._order: list[str] = list(self.names)
         self._learning: list[str] | None = []
+        #: Each module's lineages that ``native.rebuild`` rebuilds in one call, worked out on
+        #: its first decode (host words only).
+        self._native: dict[str, dict[str, native.Lineage]] | None = \
+            {} if self.on is None and native.available() else None
         self._active: list[str] = []
         self._pinned: set[str] = set()
         # Each unit's forward is wrapped rather than hooked: PyTorch's fused fast paths
@@ -155,13 +158,15 @@ class Mount:
     def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
         """``_decode`` on the worker thread: on the side stream, done when it returns."""
         if self._side is None:
-            return self._decode(name)
+            return self._decode(name, team=False)
         with torch.cuda.stream(self._side):
-            out = self._decode(name)
+            out = self._decode(name, team=False)
         self._side.synchronize()
         return out
 
-    def _decode(self, name: str) -> dict[str, torch.Tensor]:
+    def _decode(self, name: str, team: bool = True) -> dict[str, torch.Tensor]:
+        """``name``'s tensors; ``team``: on the forward's thread, whose OpenMP threads (torch's)
+        may share a native rebuild (not on the worker's)."""
         owned = self.units[name]
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
@@ -169,11 +174,23 @@ class Mount:
             slots.span_buffers(self.chain, self.step, owned)
         names = {n for *_, s in owned for n in s.records}
         rest = names - self._pack_names
-        # At budget 0 memory comes first: one batch of a step at a time, not the next one
-        # decompressed beside it.
-        words = self.chain.materialize(self.step, rest, check=check, on=self.on,
-                                       look_ahead=self.budget != 0, into=into) if rest else {}
-        words.update(self._pack_words(names - rest, check))
+        words: dict[str, torch.Tensor] = {}
+        if self._native is not None and rest:
+            if name not in self._native:
+                self._native[name] = native.plan(self.chain, self.step, rest)
+            words = native.rebuild(self.chain, self._native[name], check=check, team=team,
+                                   into=into, alloc=slots.in_heap,
+                                   memory_first=self.budget == 0)
+            if len(words) < len(self._native[name]):  # worked out again on the next decode
+                del self._native[name]
+            rest = rest - words.keys()
+        if rest:
+            # At budget 0 memory comes first: one batch of a step at a time, not the next one
+            # decompressed beside it. A tensor the native rebuild failed is rebuilt here,
+            # which says where the chain is damaged.
+            words.update(self.chain.materialize(self.step, rest, check=check, on=self.on,
+                                                look_ahead=self.budget != 0, into=into))
+        words.update(self._pack_words(names & self._pack_names, check))
         self._checked.add(name)
         out: dict[str, torch.Tensor] = {}
         for *_, s in owned:

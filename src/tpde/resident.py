@@ -37,5 +37,9 @@ class ResidentStore:
             return parts
         return self._store.read_ranges(rel, ranges)
 
+    def descriptor(self, rel: str) -> None:
+        """None: the mounted records' bytes are read from memory, not from the files."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)

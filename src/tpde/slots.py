@@ -109,12 +109,12 @@ def span_buffers(chain: Chain, step: int, owned: list[Owned]
     m = chain.manifest(step)
     for *_, s in owned:
         if len(s.records) > 1 and s.dcp is None and s.records not in whole:
-            whole[s.records], places = span_places([m.record(n) for n in s.records], _in_heap)
+            whole[s.records], places = span_places([m.record(n) for n in s.records], in_heap)
             into.update(places)
     return whole, into
 
 
-def _in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
+def in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
     """``count`` words from the heap (``heap.in_heap``), where a memory-first decode's go."""
     return torch.from_numpy(heap.in_heap(count * word_dtype.itemsize)).view(word_dtype)
 

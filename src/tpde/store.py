@@ -236,13 +236,28 @@ class Store:
         if not self.maps or getattr(self._open, "fds", None) is not None:
             yield
             return
-        self._open.fds = {}
+        self._open.fds, self._open.handed = {}, {}
         try:
             yield
         finally:
-            fds, self._open.fds = self._open.fds, None
-            for fd in fds.values():
+            fds, handed = self._open.fds, self._open.handed
+            self._open.fds = self._open.handed = None
+            for fd in (*fds.values(), *handed.values()):
                 os.close(fd)
+
+    def descriptor(self, rel: str) -> int | None:
+        """A descriptor of local file ``rel`` for a reader outside Python to read ranges of
+        (``chain.native``), open until ``kept_open``'s block ends; None for a store that is not
+        local, outside such a block, or where ``KEPT_OPEN`` are open already."""
+        handed = getattr(self._open, "handed", None)
+        if handed is None:
+            return None
+        path = self._abs(rel)
+        if path not in handed:
+            if len(handed) >= KEPT_OPEN:
+                return None
+            handed[path] = os.open(path, os.O_RDONLY)
+        return handed[path]
 
     def read_range(self, rel: str, a: int, b: int) -> bytes | memoryview:
         """One ``[a, b)`` range of one object, as a streamed decode asks for a frame: a local

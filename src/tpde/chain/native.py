@@ -1,0 +1,250 @@
+"""Records rebuilt in one C call outside the GIL (``tpde._rebuild``), for a mount's decodes.
+
+A mount at budget 0 rebuilds each module's tensors on every forward. Through ``materialize``
+that is a plan, a few pools and a dozen Python calls per record, every time: about 40% of a
+MiniLM forward's decode, two deltas deep. Here a tensor's lineage is worked out once
+(``plan``); after that its records are read and rebuilt, keyframe, deltas and hash check, by
+one call for the whole module, which the forward's thread shares with torch's own OpenMP
+threads: with torch's default threads those wait, spinning, on the cores a decode thread of
+tpde's would need.
+
+Only exact keyframes and dense deltas of host words whose records hash with XXH3-128 are
+rebuilt here; ``plan`` leaves the rest (sparse and error-bounded records, records of older
+formats) to ``materialize``, and so does ``rebuild`` with any tensor it could not rebuild or
+check: ``materialize`` rebuilds them again and says where the chain is damaged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from itertools import accumulate
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import xxhash
+
+from .. import dtypes, elias, heap, unframe
+from ..errors import TPDEError
+from ..manifest import XXH3, Record, SectionRef
+from ..transform import residual_mode
+from ..unframe import check_table
+from .base import ChainBase
+
+try:
+    from .. import _rebuild
+except ImportError:  # built without a C compiler
+    _rebuild = None
+
+_opened: dict[int, bool] = {}
+#: Set in a child forked from this process: libgomp's threads are the parent's there, and a
+#: team would wait for them forever.
+_forked = False
+
+
+def _in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_in_child)
+
+
+#: A sparse delta's mode in ``_rebuild`` (0 is a keyframe's, 1-3 a dense residual's).
+SPARSE = 9
+#: The most bytes the sparse deltas of one lineage may take while rebuilt here: all their
+#: positions are decoded (as int64) and values decompressed before the call. A lineage of
+#: larger ones is left to ``materialize``, which at budget 0 holds one batch at a time: the
+#: three sparse deltas of a 16 MB bf16 embedding, a fifth of it changed at each, took 44 MB of
+#: positions here, and a mount's peak over a forward rose from 24 to 57 MiB.
+SPARSE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One record's values: where its frames are, and how they rebuild the words (a sparse
+    delta's positions too: the section, in the same blob)."""
+
+    blob: str
+    values: SectionRef
+    mode: int  # 0: a keyframe's words; else the residual, as ``_planes`` numbers them
+    positions: SectionRef | None = None
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return [_span(s) for s in (self.values, self.positions) if s]
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What rebuilds one record name's words at a step: its keyframe and deltas, in order."""
+
+    name: str
+    words: int
+    word_dtype: torch.dtype
+    hash: int  # XXH3-128 of the words, as the last record stores it
+    records: tuple[Stored, ...]
+
+
+def _span(s: SectionRef) -> tuple[int, int]:
+    return s.offset, s.offset + s.length
+
+
+def available() -> bool:
+    """Whether ``rebuild`` can run in this process: the extension built, the system's zstd
+    and ``xxhash``'s XXH3-128 found."""
+    pid = os.getpid()
+    if pid not in _opened:
+        _opened[pid] = _rebuild is not None and _rebuild.open(xxhash._xxhash.__file__,
+                                                              _openmp())
+    return _opened[pid]
+
+
+def _openmp() -> str | None:
+    """The GNU OpenMP runtime this process has loaded (torch's CPU wheels ship libgomp), whose
+    threads ``rebuild`` may share its work with; None where there is none, or where this is a
+    forked child."""
+    if _forked:
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            found = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:
+        return None
+    return min(found) if len(found) == 1 else None
+
+
+def plan(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage]:
+    """The lineages of ``names`` at ``step`` that ``rebuild`` can rebuild, by name; the others
+    are left out. Raises as ``materialize`` would where a record on the way is missing."""
+    out: dict[str, Lineage] = {}
+    for name in names:
+        found = _lineage(chain, step, name)
+        if found is not None:
+            out[name] = found
+    return out
+
+
+def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
+    lineage = chain._lineage(name, step)
+    last = lineage[-1][1]
+    dt = dtypes.by_name(last.dtype)
+    width = dt.word_dtype.itemsize
+    n = last.numel * dt.words_per_element
+    if not last.hash.startswith(XXH3) or width not in (1, 2, 4, 8) or n == 0:
+        return None
+    stored: list[Stored] = []
+    sparse = 0  # bytes a sparse delta's positions (int64) and values take while rebuilt
+    for at, rec in lineage:
+        if rec.dtype != last.dtype or (rec.codec == "key") != (not stored):
+            return None
+        found = _stored(rec, n * width, dt.kind)
+        if found is None:
+            return None
+        mode, values, positions = found
+        if mode == SPARSE:
+            sparse += values.raw // width * 8 + values.raw
+            if sparse > SPARSE_BYTES:
+                return None
+        stored.append(Stored(chain.manifest(at).blob_of(rec), values, mode, positions))
+    return Lineage(name, n, dt.word_dtype, int(last.hash[len(XXH3):], 16), tuple(stored))
+
+
+def _stored(rec: Record, raw: int, kind: str) -> tuple[int, SectionRef, SectionRef | None] | None:
+    """The record's mode, values and positions where it is an exact keyframe, dense delta or
+    sparse XOR delta of words of ``raw`` bytes, with consistent chunk tables; else None."""
+    want = {"key": {"values"}, "dense": {"values"}, "sparse": {"values", "positions"}}
+    if rec.sections.keys() != want.get(rec.codec) or rec.grid:
+        return None
+    values, positions = rec.sections["values"], rec.sections.get("positions")
+    try:
+        for s in (values, positions):
+            if s is not None:
+                check_table(s.raw, s.chunk, s.frames, limit=s.raw if s is positions else raw)
+        mode = 0 if rec.codec == "key" else SPARSE if rec.codec == "sparse" else \
+            residual_mode(rec.residual or "", kind)
+    except TPDEError:
+        return None
+    if rec.codec == "sparse" and rec.residual != "xor" or rec.codec != "sparse" and values.raw != raw:
+        return None
+    return mode, values, positions
+
+
+def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, team: bool,
+            into: dict[str, torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor],
+            memory_first: bool = False) -> dict[str, torch.Tensor]:
+    """The words of every lineage, by name, rebuilt in one call (in ``into``'s words where it
+    has a place for them, else in ``alloc(words, word_dtype)``), checked against their hashes
+    with ``check``; ``team``: shared with the calling thread's OpenMP threads. A tensor that
+    could not be read, rebuilt or checked is left out, for ``materialize`` to rebuild.
+    ``memory_first`` counts the call's buffers as freed (``heap.freed``), as ``materialize``
+    does without look-ahead: the heap is trimmed as often as on the Python path.
+
+    The values of a local run are read by the call a frame at a time, as it decompresses them
+    (a forward at budget 0 holds the words and a few frames, not the compressed lineage);
+    other stores' are read first."""
+    if not available():  # opened again in a forked child: without a team there
+        return {}
+    try:
+        with chain.store.kept_open():
+            return _rebuild_read(chain, lineages, check, team, into, alloc)
+    except (OSError, TPDEError, ValueError):  # gone (re-based meanwhile), unreadable, or a
+        return {}  # manifest whose sizes do not add up: materialize says which
+    finally:
+        if memory_first:
+            heap.freed(sum(s.values.raw for lin in lineages.values() for s in lin.records))
+
+
+def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, team: bool,
+                  into: dict[str, torch.Tensor],
+                  alloc: Callable[[int, torch.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``rebuild`` within the store's ``kept_open``: descriptors for every blob, else every
+    range read (a read may close a descriptor handed out before it)."""
+    wanted: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    positions: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    for lin in lineages.values():
+        for s in lin.records:
+            wanted[s.blob].update(s.ranges())
+            if s.positions is not None:
+                positions[s.blob].add(_span(s.positions))
+    fds = {blob: chain.store.descriptor(blob) for blob in wanted}
+    if None in fds.values():
+        fds, positions = {}, wanted
+    data: dict[tuple[str, int, int], Any] = {}
+    for blob, ranges in positions.items():
+        order = sorted(ranges)
+        data.update(((blob, a, b), got) for (a, b), got in
+                    zip(order, chain.store.read_ranges(blob, order)))
+    words: dict[str, torch.Tensor] = {}
+    tasks, names = [], []
+    for name, lin in lineages.items():
+        try:
+            records = [_record(s, data, fds, lin.words) for s in lin.records]
+        except TPDEError:  # a damaged position stream: materialize says where
+            continue
+        out = into.get(name)
+        if out is None:
+            out = alloc(lin.words, lin.word_dtype)
+        words[name] = out
+        names.append(name)
+        tasks.append((out.view(torch.uint8).numpy(), lin.word_dtype.itemsize, check,
+                      lin.hash >> 64, lin.hash & (1 << 64) - 1, records))
+    for i, _why in _rebuild.rebuild(tasks, team):
+        del words[names[i]]
+    return words
+
+
+def _record(s: Stored, data: dict[tuple[str, int, int], Any], fds: dict[str, int | None],
+            n: int) -> tuple:
+    """A record as ``_rebuild`` takes it; a sparse delta's positions decoded here (a small
+    stream: a tenth of the words, or fewer, where a delta is stored sparse)."""
+    v = s.values
+    source = (fds[s.blob], v.offset) if fds else data[(s.blob, *_span(v))]
+    out: tuple = (source, v.frames, v.chunk, v.raw, s.mode)
+    if s.positions is None:
+        return out
+    p = s.positions
+    held = memoryview(data[(s.blob, *_span(p))])
+    cuts = list(accumulate(p.frames, initial=0))
+    stream = unframe.decompress([held[a:b] for a, b in zip(cuts, cuts[1:])], p.raw, p.chunk)
+    return (*out, elias.decode(stream, limit=n))
