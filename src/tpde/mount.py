@@ -176,13 +176,13 @@ class Mount:
         rest = names - self._pack_names
         words: dict[str, torch.Tensor] = {}
         if self._native is not None and rest:
-            if name not in self._native:
-                self._native[name] = native.plan(self.chain, self.step, rest)
-            words = native.rebuild(self.chain, self._native[name], check=check, team=team,
-                                   into=into, alloc=slots.in_heap,
-                                   memory_first=self.budget == 0)
-            if len(words) < len(self._native[name]):  # worked out again on the next decode
-                del self._native[name]
+            planned = self._native.get(name)
+            if planned is None:
+                planned = self._native[name] = native.plan(self.chain, self.step, rest)
+            words = native.rebuild(self.chain, planned, check=check, team=team, into=into,
+                                   alloc=slots.in_heap, memory_first=self.budget == 0)
+            if len(words) < len(planned):  # worked out again on the next decode
+                self._native.pop(name, None)
             rest = rest - words.keys()
         if rest:
             # At budget 0 memory comes first: one batch of a step at a time, not the next one
