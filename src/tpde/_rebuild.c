@@ -131,8 +131,6 @@ static Py_ssize_t raw_of(const task_t *t) {
     return sum;
 }
 
-static int is_small(const task_t *t) { return t->small; }
-
 /* Frame i of r into dst: from memory, or read first (from the page cache, most often: a
  * mount holds no more than a frame of the compressed bytes it reads). */
 static int frame(task_t *t, void *ctx, const record_t *r, Py_ssize_t i, char *dst) {
@@ -326,16 +324,16 @@ static Py_ssize_t units_of(task_t *t, int phase, unit_t *units, Py_ssize_t n) {
         unsigned char *to = t->planes;
         for (Py_ssize_t j = 0; j < t->n_records; j++) {
             record_t *r = &t->records[j];
-            if (!is_small(t) && r->values == NULL) continue;
+            if (!t->small && r->values == NULL) continue;
             for (Py_ssize_t i = 0; i < r->count; i++, c++)
-                if (units) units[n + c] = (unit_t){t, r, i, 0, 0, is_small(t) ? to : r->values};
+                if (units) units[n + c] = (unit_t){t, r, i, 0, 0, t->small ? to : r->values};
             to += r->raw;
         }
         return c;
     }
     /* A large task's ranges are whole frames of its keyframe's planes. */
     const Py_ssize_t chunk = t->records[0].chunk;
-    const Py_ssize_t step = is_small(t) ? JOIN_WORDS : (RANGE_WORDS + chunk - 1) / chunk * chunk;
+    const Py_ssize_t step = t->small ? JOIN_WORDS : (RANGE_WORDS + chunk - 1) / chunk * chunk;
     for (Py_ssize_t lo = 0; lo < m; lo += step, c++)
         if (units) units[n + c] = (unit_t){t, NULL, 0, lo, m - lo > step ? lo + step : m, NULL};
     return c;
@@ -480,10 +478,11 @@ static int planes_for(task_t *tasks, Py_ssize_t n) {
     Py_ssize_t left = PLANES_BYTES;
     for (Py_ssize_t i = 0; i < n; i++) {
         task_t *t = &tasks[i];
-        if (raw_of(t) <= left) {
-            if ((t->planes = malloc((size_t)raw_of(t) + 1)) == NULL) return -1;
+        const Py_ssize_t raw = raw_of(t);
+        if (raw <= left) {
+            if ((t->planes = malloc((size_t)raw + 1)) == NULL) return -1;
             t->small = 1;
-            left -= raw_of(t);
+            left -= raw;
             continue;
         }
         for (Py_ssize_t j = 0; j < t->n_records; j++) {

@@ -49,6 +49,16 @@ def check_table(raw: int, chunk: int, table: Sequence[int], *, limit: int) -> No
         raise FormatError("chunk table does not match the stream's raw size")
 
 
+def cut(section: bytes | memoryview, sizes: Sequence[int]) -> list[memoryview]:
+    """A section's bytes, read in one piece, as its frames (``sizes``: their compressed
+    sizes, from the manifest), without a copy."""
+    view, at, out = memoryview(section), 0, []
+    for n in sizes:
+        out.append(view[at : at + n])
+        at += n
+    return out
+
+
 def check_declared(frames: Sequence[memoryview | bytes], sizes: list[int]) -> bool:
     """Refuse a frame whose header declares another size than its chunk's; True when every
     frame declares its size (some GPU encoders omit it)."""

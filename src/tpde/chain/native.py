@@ -8,17 +8,17 @@ one call for the whole module, which the forward's thread shares with torch's ow
 threads: with torch's default threads those wait, spinning, on the cores a decode thread of
 tpde's would need.
 
-Only exact keyframes and dense deltas of host words whose records hash with XXH3-128 are
-rebuilt here; ``plan`` leaves the rest (sparse and error-bounded records, records of older
-formats) to ``materialize``, and so does ``rebuild`` with any tensor it could not rebuild or
-check: ``materialize`` rebuilds them again and says where the chain is damaged.
+Only exact keyframes, dense deltas and sparse XOR deltas (up to ``SPARSE_BYTES``) of words
+whose records hash with XXH3-128 are rebuilt here; ``plan`` leaves the rest (error-bounded
+records, records of older formats, larger sparse deltas) to ``materialize``, and so does
+``rebuild`` with any tensor it could not rebuild or check: ``materialize`` rebuilds them again
+and says where the chain is damaged.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -29,7 +29,6 @@ from .. import dtypes, elias, heap, unframe
 from ..errors import TPDEError
 from ..manifest import XXH3, Record, SectionRef
 from ..transform import residual_mode
-from ..unframe import check_table
 from .base import ChainBase
 
 try:
@@ -129,45 +128,39 @@ def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
     lineage = chain._lineage(name, step)
     last = lineage[-1][1]
     dt = dtypes.by_name(last.dtype)
-    width = dt.word_dtype.itemsize
     n = last.numel * dt.words_per_element
-    if not last.hash.startswith(XXH3) or width not in (1, 2, 4, 8) or n == 0:
+    if not last.hash.startswith(XXH3) or n == 0:
         return None
     stored: list[Stored] = []
     sparse = 0  # bytes a sparse delta's positions (int64) and values take while rebuilt
     for at, rec in lineage:
-        if rec.dtype != last.dtype or (rec.codec == "key") != (not stored):
+        mode = _mode(rec, dt.kind)
+        if mode is None or rec.dtype != last.dtype or (mode == 0) != (not stored):
             return None
-        found = _stored(rec, n * width, dt.kind)
-        if found is None:
-            return None
-        mode, values, positions = found
+        values = rec.sections["values"]
         if mode == SPARSE:
-            sparse += values.raw // width * 8 + values.raw
+            sparse += values.raw // dt.word_bytes * 8 + values.raw
             if sparse > SPARSE_BYTES:
                 return None
-        stored.append(Stored(chain.manifest(at).blob_of(rec), values, mode, positions))
+        stored.append(Stored(chain.manifest(at).blob_of(rec), values, mode,
+                             rec.sections.get("positions")))
     return Lineage(name, n, dt.word_dtype, int(last.hash[len(XXH3):], 16), tuple(stored))
 
 
-def _stored(rec: Record, raw: int, kind: str) -> tuple[int, SectionRef, SectionRef | None] | None:
-    """The record's mode, values and positions where it is an exact keyframe, dense delta or
-    sparse XOR delta of words of ``raw`` bytes, with consistent chunk tables; else None."""
-    want = {"key": {"values"}, "dense": {"values"}, "sparse": {"values", "positions"}}
-    if rec.sections.keys() != want.get(rec.codec) or rec.grid:
+def _mode(rec: Record, kind: str) -> int | None:
+    """The record's mode in ``_rebuild`` where it is an exact keyframe, a dense delta or a
+    sparse XOR delta; else None. Its sections, their sizes and chunk tables are the codec's:
+    the manifest's parser checked them (``manifest.parsing``)."""
+    if rec.codec == "key":
+        return 0
+    if rec.codec == "sparse":
+        return SPARSE if rec.residual == "xor" else None
+    if rec.codec != "dense":
         return None
-    values, positions = rec.sections["values"], rec.sections.get("positions")
     try:
-        for s in (values, positions):
-            if s is not None:
-                check_table(s.raw, s.chunk, s.frames, limit=s.raw if s is positions else raw)
-        mode = 0 if rec.codec == "key" else SPARSE if rec.codec == "sparse" else \
-            residual_mode(rec.residual or "", kind)
+        return residual_mode(rec.residual or "", kind)
     except TPDEError:
         return None
-    if rec.codec == "sparse" and rec.residual != "xor" or rec.codec != "sparse" and values.raw != raw:
-        return None
-    return mode, values, positions
 
 
 def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, team: bool,
@@ -201,17 +194,17 @@ def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, t
     """``rebuild`` within the store's ``kept_open``: descriptors for every blob, else every
     range read (a read may close a descriptor handed out before it)."""
     wanted: dict[str, set[tuple[int, int]]] = defaultdict(set)
-    positions: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    reads: dict[str, set[tuple[int, int]]] = defaultdict(set)  # read before the call
     for lin in lineages.values():
         for s in lin.records:
             wanted[s.blob].update(s.ranges())
             if s.positions is not None:
-                positions[s.blob].add(_span(s.positions))
+                reads[s.blob].add(_span(s.positions))
     fds = {blob: chain.store.descriptor(blob) for blob in wanted}
     if None in fds.values():
-        fds, positions = {}, wanted
+        fds, reads = {}, wanted
     data: dict[tuple[str, int, int], Any] = {}
-    for blob, ranges in positions.items():
+    for blob, ranges in reads.items():
         order = sorted(ranges)
         data.update(((blob, a, b), got) for (a, b), got in
                     zip(order, chain.store.read_ranges(blob, order)))
@@ -244,7 +237,6 @@ def _record(s: Stored, data: dict[tuple[str, int, int], Any], fds: dict[str, int
     if s.positions is None:
         return out
     p = s.positions
-    held = memoryview(data[(s.blob, *_span(p))])
-    cuts = list(accumulate(p.frames, initial=0))
-    stream = unframe.decompress([held[a:b] for a, b in zip(cuts, cuts[1:])], p.raw, p.chunk)
+    stream = unframe.decompress(unframe.cut(data[(s.blob, *_span(p))], p.frames), p.raw,
+                                p.chunk)
     return (*out, elias.decode(stream, limit=n))

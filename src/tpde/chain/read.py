@@ -9,7 +9,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
-from .. import dtypes, elias, heap, tree
+from .. import dtypes, elias, heap, tree, unframe
 from ..errors import CorruptionError, FormatError, TPDEError
 from ..manifest import Manifest, Record, collector_paused
 from . import sharded
@@ -103,11 +103,7 @@ class Reader(ChainBase):
                 if next(lazy):
                     secs[sname] = _FramesOnDemand(self, m, m.blob_of(r), s)
                     continue
-                piece, at, fr = next(it), 0, []
-                for n in s.frames:
-                    fr.append(piece[at : at + n])
-                    at += n
-                secs[sname] = fr
+                secs[sname] = unframe.cut(next(it), s.frames)
             out.append(secs)
         return out
 
