@@ -1,10 +1,11 @@
-"""A mount's native rebuild (``tpde.chain.native``, ``tpde._rebuild``) against tpde's Python
-path (``Chain.materialize``): the same words, bit for bit, from local files read a frame at a
-time and from bytes in memory, alone and shared over an OpenMP team; damage is a failed
-tensor, never wrong words."""
+"""The native rebuild (``tpde.chain.native``, ``tpde._rebuild``) of a mount and of the restore
+path, against the states saved and tpde's Python path (``Chain.materialize(native=False)``):
+the same words, bit for bit, from local files read a frame at a time and from bytes in
+memory, alone and shared over an OpenMP team; damage is a failed tensor, never wrong words."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 
@@ -62,15 +63,17 @@ def histories(draw) -> tuple[dict[str, torch.Tensor], list[list[str]], int]:
 
 
 def _write(run: str, first: dict[str, torch.Tensor], steps: list[list[str]],
-           keyframe_every: int, seed: int = 0) -> int:
+           keyframe_every: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """The states saved, step by step (each tensor is one record of its name)."""
     g = torch.Generator().manual_seed(seed)
-    state = dict(first)
+    states = [dict(first)]
     with tpde.Checkpointer(run, keyframe_every=keyframe_every) as ckpt:
-        ckpt.save(0, state)
+        ckpt.save(0, states[0])
         for step, changes in enumerate(steps, start=1):
-            state = {k: _changed(v, how, g) for (k, v), how in zip(state.items(), changes)}
-            ckpt.save(step, state)
-    return len(steps)
+            states.append({k: _changed(v, how, g)
+                           for (k, v), how in zip(states[-1].items(), changes)})
+            ckpt.save(step, states[-1])
+    return states
 
 
 def _native_kind(chain: Chain, step: int, name: str) -> bool:
@@ -97,19 +100,26 @@ def test_native_rebuild_is_the_python_path_bit_for_bit(tmp_path_factory, where: 
     first, steps, every = history
     run = str(tmp_path_factory.mktemp("run")) if where == "file" else \
         f"memory://native-{os.urandom(6).hex()}"
-    last = _write(run, first, steps, every)
+    states = _write(run, first, steps, every)
     chain = Chain(run)
-    for step in range(last + 1):
+    for step, state in enumerate(states):
         names = [r.name for r in chain.manifest(step).records]
         lineages = native.plan(chain, step, names)
         assert set(lineages) == {n for n in names if _native_kind(chain, step, n)}
-        expected = chain.materialize(step, names)
-        for team in (True, False):
-            got = native.rebuild(chain, lineages, check=True, team=team, into={},
+        expected = chain.materialize(step, names, native=False)
+        for threads in (2, 1):
+            got = native.rebuild(chain, lineages, check=True, threads=threads, into={},
                                  alloc=in_heap)
             assert set(got) == set(lineages)
             for name, words in got.items():
-                assert _bits(words) == _bits(expected[name]), (step, name, team)
+                assert _bits(words) == _bits(expected[name]), (step, name, threads)
+        # The restore path rebuilds natively first: the same words, and the states saved.
+        restored = chain.materialize(step, names)
+        assert {n: _bits(w) for n, w in restored.items()} == \
+            {n: _bits(w) for n, w in expected.items()}
+        loaded, _ = chain.load(step, keep_words=False)
+        assert {k: _bits(t) for k, t in loaded.items()} == \
+            {k: _bits(t) for k, t in state.items()}, step
 
 
 def _two_tensor_run(run: str) -> tuple[Chain, dict[str, native.Lineage]]:
@@ -126,7 +136,7 @@ def test_a_damaged_record_fails_its_tensor_and_no_other(tmp_path, resident: bool
     report), the other is rebuilt; read from the files a frame at a time, or from memory."""
     run = str(tmp_path / "run")
     chain, lineages = _two_tensor_run(run)
-    expected = chain.materialize(2, ["a", "b"])
+    expected = chain.materialize(2, ["a", "b"], native=False)
     m = chain.manifest(2)
     flip_bit(run, m, m.record("a"))
     fresh = Chain(run)
@@ -139,8 +149,9 @@ def test_a_damaged_record_fails_its_tensor_and_no_other(tmp_path, resident: bool
                     held.setdefault(s.blob, {})[a, b] = fresh.store.read_ranges(s.blob,
                                                                                 [(a, b)])[0]
         fresh.store = ResidentStore(fresh.store, held)
-    for team in (True, False):
-        got = native.rebuild(fresh, lineages, check=True, team=team, into={}, alloc=in_heap)
+    for threads in (2, 1):
+        got = native.rebuild(fresh, lineages, check=True, threads=threads, into={},
+                             alloc=in_heap)
         assert set(got) == {"b"}
         assert _bits(got["b"]) == _bits(expected["b"])
     with pytest.raises(tpde.CorruptionError, match="'a'|a\\b"):
@@ -155,7 +166,7 @@ def test_a_blob_cut_short_fails_its_tensors(tmp_path) -> None:
     m = chain.manifest(2)
     path = os.path.join(run, m.blob_of(m.record("a")))
     os.truncate(path, os.path.getsize(path) // 2)
-    got = native.rebuild(Chain(run), lineages, check=True, team=True, into={}, alloc=in_heap)
+    got = native.rebuild(Chain(run), lineages, check=True, threads=2, into={}, alloc=in_heap)
     assert "a" not in got
 
 
@@ -164,11 +175,10 @@ def test_words_unchecked_are_still_rebuilt_and_a_wrong_hash_fails(tmp_path) -> N
     lineage whose stored hash is not the words' fails."""
     run = str(tmp_path / "run")
     chain, lineages = _two_tensor_run(run)
-    wrong = {n: native.Lineage(lin.name, lin.words, lin.word_dtype, lin.hash ^ 1, lin.records)
-             for n, lin in lineages.items()}
-    assert native.rebuild(chain, wrong, check=True, team=False, into={}, alloc=in_heap) == {}
-    got = native.rebuild(chain, wrong, check=False, team=False, into={}, alloc=in_heap)
-    expected = chain.materialize(2, ["a", "b"])
+    wrong = {n: dataclasses.replace(lin, hash=lin.hash ^ 1) for n, lin in lineages.items()}
+    assert native.rebuild(chain, wrong, check=True, threads=1, into={}, alloc=in_heap) == {}
+    got = native.rebuild(chain, wrong, check=False, threads=1, into={}, alloc=in_heap)
+    expected = chain.materialize(2, ["a", "b"], native=False)
     assert all(_bits(got[n]) == _bits(expected[n]) for n in ("a", "b"))
 
 
@@ -188,17 +198,17 @@ def test_rebuild_refuses_tasks_that_do_not_add_up() -> None:
     ]
     for records in bad:
         with pytest.raises(ValueError):
-            _rebuild.rebuild([(out, 4, True, 0, 0, records)], False)
+            _rebuild.rebuild([(out, 4, True, 0, 0, records)], 1, False)
     with pytest.raises(ValueError):  # words not aligned to their width
         _rebuild.rebuild([(out.view(np.uint8)[1:61], 4, True, 0, 0,
-                           [(frame, [8], 64, 60, 0)])], False)
+                           [(frame, [8], 64, 60, 0)])], 1, False)
 
 
 def _child(run: str, queue) -> None:
     from tpde.chain import native as child_native
     chain = Chain(run)
     lineages = child_native.plan(chain, 2, ["a", "b"])
-    got = child_native.rebuild(chain, lineages, check=True, team=True, into={}, alloc=in_heap)
+    got = child_native.rebuild(chain, lineages, check=True, threads=2, into={}, alloc=in_heap)
     queue.put({n: _bits(w) for n, w in got.items()})
 
 
@@ -210,7 +220,7 @@ def test_a_forked_child_rebuilds_on_its_own_thread(tmp_path) -> None:
     chain, lineages = _two_tensor_run(run)
     a = torch.randn(256, 256)
     _ = a @ a  # torch's OpenMP threads started here
-    native.rebuild(chain, lineages, check=True, team=True, into={}, alloc=in_heap)
+    native.rebuild(chain, lineages, check=True, threads=2, into={}, alloc=in_heap)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_child, args=(run, queue))
@@ -218,7 +228,7 @@ def test_a_forked_child_rebuilds_on_its_own_thread(tmp_path) -> None:
     got = queue.get(timeout=120)
     child.join(timeout=60)
     assert child.exitcode == 0
-    expected = chain.materialize(2, ["a", "b"])
+    expected = chain.materialize(2, ["a", "b"], native=False)
     assert got == {n: _bits(expected[n]) for n in ("a", "b")}
 
 
@@ -247,3 +257,45 @@ def test_a_lineage_of_large_sparse_deltas_is_left_to_the_python_path(tmp_path,
     with torch.no_grad():
         assert torch.equal(mounted(ids), emb(ids))
     assert mounted.tpde_mount._native == {"": {}}  # planned, and nothing rebuilt natively
+
+
+def test_the_restore_path_counts_progress_and_reports_damage_as_the_python_path(
+        tmp_path) -> None:
+    """A restore's progress adds up to the same bytes natively as through the Python path; a
+    damaged tensor the native call leaves out is reported by the Python path, and the other
+    tensor is restored."""
+    run = str(tmp_path / "run")
+    chain, _ = _two_tensor_run(run)
+    counts = []
+    for native_first in (True, False):
+        seen: list[int] = []
+        chain.materialize(2, progress=seen.append, native=native_first)
+        counts.append(sum(seen))
+    assert counts[0] == counts[1] == sum(r.raw_bytes for name in ("a", "b")
+                                         for _, r in chain._lineage(name, 2))
+    expected = chain.materialize(2, ["a", "b"], native=False)
+    m = chain.manifest(2)
+    flip_bit(run, m, m.record("a"))
+    found: list = []
+    got = Chain(run).materialize(2, problems=found)
+    assert [(p.step, p.tensor) for p in found] == [(2, "a")]
+    assert set(got) == {"b"} and _bits(got["b"]) == _bits(expected["b"])
+
+
+def test_a_store_without_descriptors_reads_no_lineage_larger_than_a_batch() -> None:
+    """From a store that hands no descriptors, a lineage's stored bytes are read before its
+    call: one that holds more than a batch is left to the Python path, which reads a step at a
+    time, and the words are the same."""
+    run = f"memory://native-{os.urandom(6).hex()}"
+    chain, lineages = _two_tensor_run(run)
+    held = {n: lin.beside(read_first=True) for n, lin in lineages.items()}
+    assert held["b"] < held["a"]
+    limit = (held["a"] + held["b"]) // 2
+    with chain.store.kept_open():
+        got = native.restore(chain, 2, ["a", "b"], check=True, into={}, progress=None,
+                             batch_bytes=limit)
+    assert set(got) == {"b"}
+    expected = chain.materialize(2, ["a", "b"], native=False)
+    assert _bits(got["b"]) == _bits(expected["b"])
+    restored = chain.materialize(2, ["a", "b"], batch_bytes=limit)
+    assert all(_bits(restored[n]) == _bits(expected[n]) for n in ("a", "b"))

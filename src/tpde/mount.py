@@ -179,7 +179,8 @@ class Mount:
             planned = self._native.get(name)
             if planned is None:
                 planned = self._native[name] = native.plan(self.chain, self.step, rest)
-            words = native.rebuild(self.chain, planned, check=check, team=team, into=into,
+            words = native.rebuild(self.chain, planned, check=check, into=into,
+                                   threads=torch.get_num_threads() if team else 1,
                                    alloc=slots.in_heap, memory_first=self.budget == 0)
             if len(words) < len(planned):  # worked out again on the next decode
                 self._native.pop(name, None)
@@ -189,7 +190,8 @@ class Mount:
             # decompressed beside it. A tensor the native rebuild failed is rebuilt here,
             # which says where the chain is damaged.
             words.update(self.chain.materialize(self.step, rest, check=check, on=self.on,
-                                                look_ahead=self.budget != 0, into=into))
+                                                look_ahead=self.budget != 0, into=into,
+                                                native=False))
         words.update(self._pack_words(names & self._pack_names, check))
         self._checked.add(name)
         out: dict[str, torch.Tensor] = {}
@@ -229,7 +231,8 @@ class Mount:
             todo = names - self._packs.keys()
             if todo:
                 self._packs.update(self.chain.materialize(self.step, todo, check=check,
-                                                          on=self.on, look_ahead=False))
+                                                          on=self.on, look_ahead=False,
+                                                          native=False))
             return {n: self._packs[n] for n in names}
 
     def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:

@@ -280,12 +280,14 @@ class Store:
 
         Ranges that touch or nearly touch (a step's records lie back to back in its blob) are
         fetched as one: on an object store every range is a request, and a rank coding its
-        chunks against the previous step reads thousands of them.
+        chunks against the previous step reads thousands of them. An empty range (an empty
+        tensor's section) is no request: asked alone, S3 answers one with the whole object.
         """
-        if not ranges:
-            return []
+        out: list[bytes | memoryview] = [b""] * len(ranges)
         spans: list[list[int]] = []  # [start, end, first index into `order`]
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i])
+        order = sorted((i for i, (a, b) in enumerate(ranges) if b > a), key=lambda i: ranges[i])
+        if not order:
+            return out
         for k, i in enumerate(order):
             a, b = ranges[i]
             if spans and a <= spans[-1][1] + COALESCE_GAP and b - spans[-1][0] <= COALESCE_SPAN:
@@ -303,7 +305,6 @@ class Store:
             got = self._retry(f"read {rel} in", lambda: self.fs.cat_ranges(
                 [path] * len(spans), [a for a, _, _ in spans], [b for _, b, _ in spans],
                 on_error="raise"), sum(b - a for a, b, _ in spans))
-        out: list[bytes | memoryview] = [b""] * len(ranges)
         for n, ((start, end, first), data) in enumerate(zip(spans, got)):
             self._whole(rel, start, end, data)
             last = spans[n + 1][2] if n + 1 < len(spans) else len(order)

@@ -1,4 +1,5 @@
-"""Records rebuilt in one C call outside the GIL (``tpde._rebuild``), for a mount's decodes.
+"""Records rebuilt in one C call outside the GIL (``tpde._rebuild``): a mount's decodes, and
+a restore's batches.
 
 A mount at budget 0 rebuilds each module's tensors on every forward. Through ``materialize``
 that is a plan, a few pools and a dozen Python calls per record, every time: about 40% of a
@@ -6,13 +7,14 @@ MiniLM forward's decode, two deltas deep. Here a tensor's lineage is worked out 
 (``plan``); after that its records are read and rebuilt, keyframe, deltas and hash check, by
 one call for the whole module, which the forward's thread shares with torch's own OpenMP
 threads: with torch's default threads those wait, spinning, on the cores a decode thread of
-tpde's would need.
+tpde's would need. A restore (``restore``) rebuilds its tensors the same way, a batch at a
+time, each lineage in one pass over its words, however many deltas deep.
 
 Only exact keyframes, dense deltas and sparse XOR deltas (up to ``SPARSE_BYTES``) of words
 whose records hash with XXH3-128 are rebuilt here; ``plan`` leaves the rest (error-bounded
-records, records of older formats, larger sparse deltas) to ``materialize``, and so does
-``rebuild`` with any tensor it could not rebuild or check: ``materialize`` rebuilds them again
-and says where the chain is damaged.
+records, records of older formats, larger sparse deltas, missing records) to ``materialize``,
+and so does ``rebuild`` with any tensor it could not rebuild or check: ``materialize`` rebuilds
+them again and says where the chain is damaged.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .. import dtypes, elias, heap, unframe
+from .. import dtypes, elias, frame_threads, heap, unframe
 from ..errors import TPDEError
 from ..manifest import XXH3, Record, SectionRef
 from ..transform import residual_mode
-from .base import ChainBase
+from .base import ChainBase, Progress
 
 try:
     from .. import _rebuild
@@ -58,6 +60,11 @@ SPARSE = 9
 #: three sparse deltas of a 16 MB bf16 embedding, a fifth of it changed at each, took 44 MB of
 #: positions here, and a mount's peak over a forward rose from 24 to 57 MiB.
 SPARSE_BYTES = 4 << 20
+#: The most words one call of a restore rebuilds (``restore``), where the words are what it
+#: returns and it holds little beside them: the 200 MB state's keyframe restored in 80 ms in
+#: 256 MiB calls against 112 in 32 MiB ones (each of the six 32 MiB pieces' hashes then ran
+#: on one thread while the other waited); a restore's progress moves once a call.
+CALL_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,10 @@ class Stored:
     def ranges(self) -> list[tuple[int, int]]:
         return [_span(s) for s in (self.values, self.positions) if s]
 
+    @property
+    def stored(self) -> int:
+        return sum(b - a for a, b in self.ranges())
+
 
 @dataclass(frozen=True)
 class Lineage:
@@ -83,6 +94,18 @@ class Lineage:
     word_dtype: torch.dtype
     hash: int  # XXH3-128 of the words, as the last record stores it
     records: tuple[Stored, ...]
+    raw: int  # the records' raw bytes together, as a restore's progress counts them
+    sparse: int  # bytes the sparse deltas' positions (int64) and values take while rebuilt
+
+    @property
+    def word_bytes(self) -> int:
+        return self.words * self.word_dtype.itemsize
+
+    def beside(self, read_first: bool) -> int:
+        """Bytes a call holds for this lineage beside its words: its sparse deltas' positions
+        and values, and with ``read_first`` its stored bytes (a store that hands no
+        descriptors)."""
+        return self.sparse + (sum(s.stored for s in self.records) if read_first else 0)
 
 
 def _span(s: SectionRef) -> tuple[int, int]:
@@ -115,10 +138,13 @@ def _openmp() -> str | None:
 
 def plan(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage]:
     """The lineages of ``names`` at ``step`` that ``rebuild`` can rebuild, by name; the others
-    are left out. Raises as ``materialize`` would where a record on the way is missing."""
+    are left out, those with a record missing on the way too (``materialize`` says which)."""
     out: dict[str, Lineage] = {}
     for name in names:
-        found = _lineage(chain, step, name)
+        try:
+            found = _lineage(chain, step, name)
+        except TPDEError:
+            continue
         if found is not None:
             out[name] = found
     return out
@@ -132,7 +158,7 @@ def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
     if not last.hash.startswith(XXH3) or n == 0:
         return None
     stored: list[Stored] = []
-    sparse = 0  # bytes a sparse delta's positions (int64) and values take while rebuilt
+    sparse = 0
     for at, rec in lineage:
         mode = _mode(rec, dt.kind)
         if mode is None or rec.dtype != last.dtype or (mode == 0) != (not stored):
@@ -144,7 +170,8 @@ def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
                 return None
         stored.append(Stored(chain.manifest(at).blob_of(rec), values, mode,
                              rec.sections.get("positions")))
-    return Lineage(name, n, dt.word_dtype, int(last.hash[len(XXH3):], 16), tuple(stored))
+    return Lineage(name, n, dt.word_dtype, int(last.hash[len(XXH3):], 16), tuple(stored),
+                   sum(rec.raw_bytes for _, rec in lineage), sparse)
 
 
 def _mode(rec: Record, kind: str) -> int | None:
@@ -163,24 +190,29 @@ def _mode(rec: Record, kind: str) -> int | None:
         return None
 
 
-def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, team: bool,
+def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, threads: int,
             into: dict[str, torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor],
-            memory_first: bool = False) -> dict[str, torch.Tensor]:
+            memory_first: bool = False, read_limit: int | None = None, fresh: bool = False
+            ) -> dict[str, torch.Tensor]:
     """The words of every lineage, by name, rebuilt in one call (in ``into``'s words where it
     has a place for them, else in ``alloc(words, word_dtype)``), checked against their hashes
-    with ``check``; ``team``: shared with the calling thread's OpenMP threads. A tensor that
-    could not be read, rebuilt or checked is left out, for ``materialize`` to rebuild.
+    with ``check``, on an OpenMP team of the calling thread of ``threads`` threads. A tensor
+    that could not be read, rebuilt or checked is left out, for ``materialize`` to rebuild.
     ``memory_first`` counts the call's buffers as freed (``heap.freed``), as ``materialize``
     does without look-ahead: the heap is trimmed as often as on the Python path.
 
     The values of a local run are read by the call a frame at a time, as it decompresses them
     (a forward at budget 0 holds the words and a few frames, not the compressed lineage);
-    other stores' are read first."""
+    other stores' are read first, unless that is more than ``read_limit`` bytes: then every
+    lineage is left out. ``fresh``: the words are new memory, which the call asks to be
+    backed by huge pages where the kernel has them (a restore's: faulting its words in a page
+    at a time was half of a keyframe's restore); a mount's words are the heap's, reused."""
     if not available():  # opened again in a forked child: without a team there
         return {}
     try:
         with chain.store.kept_open():
-            return _rebuild_read(chain, lineages, check, team, into, alloc)
+            return _rebuild_read(chain, lineages, check, threads, into, alloc, read_limit,
+                                 fresh)
     except (OSError, TPDEError, ValueError):  # gone (re-based meanwhile), unreadable, or a
         return {}  # manifest whose sizes do not add up: materialize says which
     finally:
@@ -188,9 +220,58 @@ def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, team
             heap.freed(sum(s.values.raw for lin in lineages.values() for s in lin.records))
 
 
-def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, team: bool,
+def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
+            into: dict[str, torch.Tensor], progress: Progress | None, batch_bytes: int
+            ) -> dict[str, torch.Tensor]:
+    """The words of those of ``names`` at ``step`` that ``rebuild`` can rebuild, by name: the
+    restore path's share of the work (``materialize`` rebuilds the rest).
+
+    Each call rebuilds up to ``CALL_BYTES`` of words, holding at most ``batch_bytes`` beside
+    them (``Lineage.beside``), on a team of the CPUs this thread may run on (up to 8, as the
+    decode threads): a restore has no forward whose threads to share. A store that hands no
+    descriptors reads a lineage's stored bytes before its call, so there a lineage storing more
+    than ``batch_bytes`` is left to ``materialize``, which reads a step at a time. Called
+    within the store's ``kept_open``."""
+    if not available():
+        return {}
+    lineages = list(plan(chain, step, names).values())
+    if not lineages:
+        return {}
+    try:
+        read_first = chain.store.descriptor(lineages[0].records[0].blob) is None
+    except OSError:  # a blob gone: its lineages fail in the call, and materialize says where
+        read_first = False
+    calls: list[list[Lineage]] = []
+    held = beside = 0
+    for lin in lineages:
+        extra = lin.beside(read_first)
+        if extra > batch_bytes and read_first:
+            continue
+        if calls and held + lin.word_bytes <= CALL_BYTES and beside + extra <= batch_bytes:
+            calls[-1].append(lin)
+            held, beside = held + lin.word_bytes, beside + extra
+        else:
+            calls.append([lin])
+            held, beside = lin.word_bytes, extra
+    threads = min(8, frame_threads.usable_cpus())
+    words: dict[str, torch.Tensor] = {}
+    for call in calls:
+        got = rebuild(chain, {lin.name: lin for lin in call}, check=check, threads=threads,
+                      into=into, alloc=_empty, read_limit=batch_bytes, fresh=True)
+        words.update(got)
+        if progress:
+            progress(sum(lin.raw for lin in call if lin.name in got))
+    return words
+
+
+def _empty(words: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(words, dtype=dtype)
+
+
+def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, threads: int,
                   into: dict[str, torch.Tensor],
-                  alloc: Callable[[int, torch.dtype], torch.Tensor]) -> dict[str, torch.Tensor]:
+                  alloc: Callable[[int, torch.dtype], torch.Tensor],
+                  read_limit: int | None, fresh: bool) -> dict[str, torch.Tensor]:
     """``rebuild`` within the store's ``kept_open``: descriptors for every blob, else every
     range read (a read may close a descriptor handed out before it)."""
     wanted: dict[str, set[tuple[int, int]]] = defaultdict(set)
@@ -203,6 +284,9 @@ def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, t
     fds = {blob: chain.store.descriptor(blob) for blob in wanted}
     if None in fds.values():
         fds, reads = {}, wanted
+        if read_limit is not None and \
+                sum(b - a for ranges in reads.values() for a, b in ranges) > read_limit:
+            return {}
     data: dict[tuple[str, int, int], Any] = {}
     for blob, ranges in reads.items():
         order = sorted(ranges)
@@ -222,7 +306,7 @@ def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, t
         names.append(name)
         tasks.append((out.view(torch.uint8).numpy(), lin.word_dtype.itemsize, check,
                       lin.hash >> 64, lin.hash & (1 << 64) - 1, records))
-    for i, _why in _rebuild.rebuild(tasks, team):
+    for i, _why in _rebuild.rebuild(tasks, threads, fresh):
         del words[names[i]]
     return words
 

@@ -16,6 +16,7 @@ from . import sharded
 from .base import ChainBase, Problem, Progress
 from .decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild, rebuild_checked,
                      runs_of, verified)
+from .native import restore as native_restore
 from .plan import batches
 from .spans import span_places, span_words, warn_lossy
 
@@ -113,7 +114,8 @@ class Reader(ChainBase):
                     on: torch.device | None = None, batch_bytes: int = DECODE_BATCH_BYTES,
                     look_ahead: bool = True, into: dict[str, torch.Tensor] | None = None,
                     passing: dict[str, int] | None = None,
-                    passed: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                    passed: dict[str, torch.Tensor] | None = None,
+                    native: bool = True) -> dict[str, torch.Tensor]:
         """Host words of ``step``'s records, rebuilt step by step and checked against hashes.
 
         The words a caller gets are hash-checked (``check=False`` only for bytes already checked
@@ -133,6 +135,11 @@ class Reader(ChainBase):
         re-base codes a step against an earlier one it is rebuilt from): where the rebuild
         goes through them, a hash-checked copy is put in ``passed``, by name.
 
+        On the host, each tensor's whole lineage is first rebuilt in one C call outside the
+        GIL, a batch of tensors at a time (``native.restore``; not with ``native=False``, nor
+        for ``check_every``, ``on`` or ``passing``): what it cannot rebuild or check is then
+        rebuilt step by step here, which says where a chain is damaged.
+
         A read that finds data gone because the run's writer re-based the steps it reads
         (``gc``) starts again from the rewritten manifests: the words are the same.
         """
@@ -141,9 +148,19 @@ class Reader(ChainBase):
             found: list[Problem] | None = None if problems is None else []
             try:
                 with self.store.kept_open():
-                    words = self._materialize(step, names, found, check_every, check, progress,
-                                              on, batch_bytes, look_ahead, into or {},
-                                              passing or {}, {} if passed is None else passed)
+                    words, rest = {}, names
+                    if native and on is None and not check_every:
+                        wanted = {r.name for r in self.manifest(step).records} \
+                            if names is None else names
+                        words = native_restore(self, step, wanted - (passing or {}).keys(),
+                                               check=check, into=into or {}, progress=progress,
+                                               batch_bytes=batch_bytes)
+                        rest = wanted - words.keys()
+                    if rest is None or rest:
+                        words.update(self._materialize(
+                            step, rest, found, check_every, check, progress, on, batch_bytes,
+                            look_ahead, into or {}, passing or {},
+                            {} if passed is None else passed))
             except CorruptionError:
                 if self._stale():
                     continue
