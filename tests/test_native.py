@@ -19,6 +19,7 @@ import tpde
 from helpers import flip_bit
 from tpde import _rebuild
 from tpde.chain import Chain, native
+from tpde.frame_threads import usable_cpus
 from tpde.slots import in_heap
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -210,6 +211,12 @@ def _child(run: str, queue) -> None:
     lineages = child_native.plan(chain, 2, ["a", "b"])
     got = child_native.rebuild(chain, lineages, check=True, threads=2, into={}, alloc=in_heap)
     queue.put({n: _bits(w) for n, w in got.items()})
+    # A restore there leaves its tensors to the Python path's own decode threads.
+    with chain.store.kept_open():
+        natively = child_native.restore(chain, 2, ["a", "b"], check=True, into={},
+                                        progress=None, batch_bytes=32 << 20)
+    restored = chain.materialize(2, ["a", "b"])
+    queue.put((sorted(natively), {n: _bits(w) for n, w in restored.items()}))
 
 
 @pytest.mark.skipif(os.name != "posix", reason="fork")
@@ -226,10 +233,12 @@ def test_a_forked_child_rebuilds_on_its_own_thread(tmp_path) -> None:
     child = ctx.Process(target=_child, args=(run, queue))
     child.start()
     got = queue.get(timeout=120)
+    natively, restored = queue.get(timeout=120)
     child.join(timeout=60)
     assert child.exitcode == 0
     expected = chain.materialize(2, ["a", "b"], native=False)
-    assert got == {n: _bits(expected[n]) for n in ("a", "b")}
+    assert got == restored == {n: _bits(expected[n]) for n in ("a", "b")}
+    assert natively == ([] if usable_cpus() > 1 else ["a", "b"])
 
 
 def test_a_lineage_of_large_sparse_deltas_is_left_to_the_python_path(tmp_path,

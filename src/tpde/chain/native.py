@@ -39,6 +39,7 @@ except ImportError:  # built without a C compiler
     _rebuild = None
 
 _opened: dict[int, bool] = {}
+_teamed: dict[int, bool] = {}  # whether the call can share its work over a team, by process
 #: Set in a child forked from this process: libgomp's threads are the parent's there, and a
 #: team would wait for them forever.
 _forked = False
@@ -117,8 +118,9 @@ def available() -> bool:
     and ``xxhash``'s XXH3-128 found."""
     pid = os.getpid()
     if pid not in _opened:
-        _opened[pid] = _rebuild is not None and _rebuild.open(xxhash._xxhash.__file__,
-                                                              _openmp())
+        openmp = _openmp()
+        _teamed[pid] = openmp is not None
+        _opened[pid] = _rebuild is not None and _rebuild.open(xxhash._xxhash.__file__, openmp)
     return _opened[pid]
 
 
@@ -228,12 +230,15 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
 
     Each call rebuilds up to ``CALL_BYTES`` of words, holding at most ``batch_bytes`` beside
     them (``Lineage.beside``), on a team of the CPUs this thread may run on (up to 8, as the
-    decode threads): a restore has no forward whose threads to share. A store that hands no
-    descriptors reads a lineage's stored bytes before its call, so there a lineage storing more
-    than ``batch_bytes`` is left to ``materialize``, which reads a step at a time. Called
-    within the store's ``kept_open``."""
-    if not available():
-        return {}
+    decode threads): a restore has no forward whose threads to share. Where there is no such
+    team (no libgomp, or a forked child) and more than one CPU, nothing is rebuilt here: the
+    Python path's decode threads share the work. A store that hands no descriptors reads a
+    lineage's stored bytes before its call, so there a lineage storing more than
+    ``batch_bytes`` is left to ``materialize``, which reads a step at a time. Called within the
+    store's ``kept_open``."""
+    threads = min(8, frame_threads.usable_cpus())
+    if not available() or (threads > 1 and not _teamed[os.getpid()]):
+        return {}  # on one thread where the Python path's decode threads would share the work
     lineages = list(plan(chain, step, names).values())
     if not lineages:
         return {}
@@ -253,7 +258,6 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
         else:
             calls.append([lin])
             held, beside = lin.word_bytes, extra
-    threads = min(8, frame_threads.usable_cpus())
     words: dict[str, torch.Tensor] = {}
     for call in calls:
         got = rebuild(chain, {lin.name: lin for lin in call}, check=check, threads=threads,
