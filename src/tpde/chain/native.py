@@ -38,8 +38,8 @@ try:
 except ImportError:  # built without a C compiler
     _rebuild = None
 
-_opened: dict[int, bool] = {}
-_teamed: dict[int, bool] = {}  # whether the call can share its work over a team, by process
+#: By process: whether ``rebuild`` can run, and whether it can share its work over a team.
+_opened: dict[int, tuple[bool, bool]] = {}
 #: Set in a child forked from this process: libgomp's threads are the parent's there, and a
 #: team would wait for them forever.
 _forked = False
@@ -116,11 +116,15 @@ def _span(s: SectionRef) -> tuple[int, int]:
 def available() -> bool:
     """Whether ``rebuild`` can run in this process: the extension built, the system's zstd
     and ``xxhash``'s XXH3-128 found."""
+    return _opening()[0]
+
+
+def _opening() -> tuple[bool, bool]:
     pid = os.getpid()
     if pid not in _opened:
         openmp = _openmp()
-        _teamed[pid] = openmp is not None
-        _opened[pid] = _rebuild is not None and _rebuild.open(xxhash._xxhash.__file__, openmp)
+        _opened[pid] = (_rebuild is not None and _rebuild.open(xxhash._xxhash.__file__, openmp),
+                        openmp is not None)
     return _opened[pid]
 
 
@@ -237,7 +241,8 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
     ``batch_bytes`` is left to ``materialize``, which reads a step at a time. Called within the
     store's ``kept_open``."""
     threads = min(8, frame_threads.usable_cpus())
-    if not available() or (threads > 1 and not _teamed[os.getpid()]):
+    opened, teamed = _opening()
+    if not opened or (threads > 1 and not teamed):
         return {}  # on one thread where the Python path's decode threads would share the work
     lineages = list(plan(chain, step, names).values())
     if not lineages:
@@ -250,7 +255,7 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
     held = beside = 0
     for lin in lineages:
         extra = lin.beside(read_first)
-        if extra > batch_bytes and read_first:
+        if extra > batch_bytes:
             continue
         if calls and held + lin.word_bytes <= CALL_BYTES and beside + extra <= batch_bytes:
             calls[-1].append(lin)
