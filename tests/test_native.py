@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +241,47 @@ def test_a_forked_child_rebuilds_on_its_own_thread(tmp_path) -> None:
     expected = chain.materialize(2, ["a", "b"], native=False)
     assert got == restored == {n: _bits(expected[n]) for n in ("a", "b")}
     assert natively == ([] if usable_cpus() > 1 else ["a", "b"])
+
+
+def test_threads_that_start_at_once_open_the_native_call_once(tmp_path, monkeypatch) -> None:
+    """Threads whose first restores start together open the call once: each opened it again,
+    resetting the OpenMP entry points while another's call used them, and a Lightning save
+    with ``reference="store"`` (whose threads read their references back at once) crashed."""
+    run = str(tmp_path / "run")
+    chain, _ = _two_tensor_run(run)
+    real, opened = _rebuild, []
+
+    class Opening:
+        """The extension, with ``open`` slowed down so that every thread gets to it."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def open(self, *args: object) -> bool:
+            opened.append(threading.get_ident())
+            time.sleep(0.05)  # the GIL is let go: the other threads run on meanwhile
+            return real.open(*args)
+
+    monkeypatch.setattr(native, "_rebuild", Opening())
+    monkeypatch.setattr(native, "_opened", {})
+    start = threading.Barrier(8)
+    expected = {n: _bits(t) for n, t in chain.materialize(2, ["a", "b"], native=False).items()}
+    got: list[dict[str, bytes]] = []
+
+    def restore() -> None:
+        start.wait()
+        words = native.restore(chain, 2, ["a", "b"], check=True, into={}, progress=None,
+                               batch_bytes=1 << 25)
+        got.append({n: _bits(t) for n, t in words.items()})
+
+    workers = [threading.Thread(target=restore) for _ in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert len(opened) == 1
+    assert len(got) == 8
+    assert all(g in ({}, expected) for g in got)  # {}: no team on several CPUs
 
 
 def test_a_lineage_of_large_sparse_deltas_is_left_to_the_python_path(tmp_path,

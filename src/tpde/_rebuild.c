@@ -119,7 +119,7 @@ typedef struct {
     task_t *tasks;
     Py_ssize_t n_tasks, hashed;
     phase_t phases[PHASES];
-    int teamed;
+    void (*barrier)(void); /* the team's, as found when the call began; NULL: no team */
 } job_t;
 
 static int fail(task_t *t, const char *why) {
@@ -308,7 +308,7 @@ static void team_body(void *arg) {
             if (i >= f->n) break;
             work(&f->units[i], ph);
         }
-        if (j->teamed) gomp_barrier();
+        if (j->barrier != NULL) j->barrier();
     }
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&j->hashed, 1, __ATOMIC_RELAXED);
@@ -536,10 +536,11 @@ static PyObject *rebuild(PyObject *self, PyObject *args) {
     if (!bad && fresh) huge_pages(tasks, n);
     if (!bad) {
         /* A team of the calling thread's: torch's own threads on the forward's thread. */
-        job.teamed = threads > 1 && gomp_parallel != NULL && gomp_barrier != NULL;
+        void (*parallel)(void (*)(void *), void *, unsigned, unsigned) = gomp_parallel;
+        job.barrier = threads > 1 && parallel != NULL ? gomp_barrier : NULL;
         Py_BEGIN_ALLOW_THREADS
-        if (job.teamed)
-            gomp_parallel(team_body, &job, (unsigned)threads, 0);
+        if (job.barrier != NULL)
+            parallel(team_body, &job, (unsigned)threads, 0);
         else
             team_body(&job);
         Py_END_ALLOW_THREADS
@@ -562,17 +563,21 @@ static PyObject *open_libraries(PyObject *self, PyObject *args) {
 #ifdef REBUILD_DLOPEN
     /* Both are in the process already (their Python modules, torch): RTLD_NOLOAD takes the
      * copies loaded, and opens nothing new. */
-    gomp_parallel = NULL; /* a forked child opens again, without a team */
-    gomp_barrier = NULL;
+    /* Once a process (tpde.chain.native holds a lock for it), and again in a forked child,
+     * which has no team. A call under way keeps the entry points it began with. */
+    void *parallel = NULL, *barrier = NULL;
     void *x = dlopen(xxhash, RTLD_NOW | RTLD_NOLOAD);
     if (x != NULL) *(void **)&xxh3_128 = dlsym(x, "XXH3_128bits");
     if (openmp != NULL) {
         void *g = dlopen(openmp, RTLD_NOW | RTLD_NOLOAD);
         if (g != NULL) {
-            *(void **)&gomp_parallel = dlsym(g, "GOMP_parallel");
-            *(void **)&gomp_barrier = dlsym(g, "GOMP_barrier");
+            parallel = dlsym(g, "GOMP_parallel");
+            barrier = dlsym(g, "GOMP_barrier");
         }
     }
+    if (parallel == NULL || barrier == NULL) parallel = barrier = NULL;
+    *(void **)&gomp_barrier = barrier;
+    *(void **)&gomp_parallel = parallel;
 #endif
     return PyBool_FromLong(xxh3_128 != NULL && Z->found());
 }

@@ -20,6 +20,7 @@ them again and says where the chain is damaged.
 from __future__ import annotations
 
 import os
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -40,14 +41,19 @@ except ImportError:  # built without a C compiler
 
 #: By process: whether ``rebuild`` can run, and whether it can share its work over a team.
 _opened: dict[int, tuple[bool, bool]] = {}
+#: Held while a process opens the call: opened again while another thread's call ran, it
+#: reset the OpenMP entry points that call was using (a Lightning save with
+#: ``reference="store"``, whose threads read their references at once, crashed 1 run in 5).
+_opening_lock = threading.Lock()
 #: Set in a child forked from this process: libgomp's threads are the parent's there, and a
 #: team would wait for them forever.
 _forked = False
 
 
 def _in_child() -> None:
-    global _forked
+    global _forked, _opening_lock
     _forked = True
+    _opening_lock = threading.Lock()  # held, maybe, by a thread the child does not have
 
 
 os.register_at_fork(after_in_child=_in_child)
@@ -122,9 +128,12 @@ def available() -> bool:
 def _opening() -> tuple[bool, bool]:
     pid = os.getpid()
     if pid not in _opened:
-        openmp = _openmp()
-        _opened[pid] = (_rebuild is not None and _rebuild.open(xxhash._xxhash.__file__, openmp),
-                        openmp is not None)
+        with _opening_lock:
+            if pid not in _opened:
+                openmp = _openmp()
+                _opened[pid] = (_rebuild is not None and
+                                _rebuild.open(xxhash._xxhash.__file__, openmp),
+                                openmp is not None)
     return _opened[pid]
 
 
