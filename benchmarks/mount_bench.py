@@ -19,8 +19,11 @@ way, as a language model's layers would be.
 kernels. ``--seeded-weights`` builds the same architecture with seeded random weights and
 random token ids, for a machine without the weights package.
 
+``--alternate N`` runs only the restore path and a mount at budget 0 (batch 1) in turn, N
+rounds, and prints each step's medians: the side-by-side figure for this noisy machine.
+
     python benchmarks/mount_bench.py [--quick] [--device cuda] [--seeded-weights] [--chunk N]
-                                     [--json benchmarks/results/mount_bench.json]
+                                     [--alternate N] [--json benchmarks/results/mount_bench.json]
 """
 
 from __future__ import annotations
@@ -196,6 +199,35 @@ def timed(model: torch.nn.Module, batch: dict[str, torch.Tensor], repeats: int) 
     return statistics.median(times) * 1e3
 
 
+def alternated(run: str, config: Any, batch: dict[str, torch.Tensor], total: int,
+               rounds: int) -> dict[str, Any]:
+    """The restore path and a mount at budget 0, alternated in this process for ``rounds``
+    rounds at the keyframe and two deltas deep: each round's restore MB/s (median of 3), the
+    mount's decode-only MB/s (over 6 forwards), and their ratio; this machine's timings drift
+    within minutes, and side by side they drift together."""
+    got: dict[str, Any] = {}
+    for _ in range(rounds):
+        for step in (0, 2):
+            dense = fresh(config)
+            restore = total / restored(run, step, dense, torch.device("cpu"), 3) / 1e6
+            mounted = tpde.mount(run, step, fresh(config), device="cpu", budget=0)
+            timed(mounted, batch, 5)
+            st = mounted.tpde_mount.stats
+            alone = st.decoded_bytes / 1e6 / st.decode_seconds
+            mounted.tpde_mount.close()
+            row = got.setdefault(str(step), {"restore": [], "mount": [], "ratio": []})
+            row["restore"].append(restore)
+            row["mount"].append(alone)
+            row["ratio"].append(alone / restore)
+    print(f"\nbudget 0, batch 1, alternated with the restore path, {rounds} rounds (medians)")
+    for step, row in got.items():
+        print(f"step {step}: restore {statistics.median(row['restore']):.0f} MB/s, mount "
+              f"decode-only {statistics.median(row['mount']):.0f} MB/s, ratio "
+              f"{statistics.median(row['ratio']):.2f}x (each round: "
+              f"{', '.join(f'{r:.2f}' for r in row['ratio'])})")
+    return got
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="keyframe step, batch 1, 3 repeats")
@@ -205,6 +237,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None, help="the chain's zstd chunk, in bytes")
     p.add_argument("--seeded-weights", action="store_true",
                    help="MiniLM's architecture with seeded random weights and token ids")
+    p.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                   help="only the restore path and a mount at budget 0, batch 1, alternated "
+                        "for ROUNDS rounds (CPU)")
     args = p.parse_args()
     repeats = 3 if args.quick else args.repeats
     device = torch.device(args.device)
@@ -238,6 +273,13 @@ def main() -> None:
             for step in range(3):
                 ckpt.save(step, state)
                 state = drift(state, step)
+        if args.alternate:
+            results["alternated"] = alternated(run, model.config, batches[1], total,
+                                               args.alternate)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
+            return
         stored = sum(tpde.Checkpointer(run).info(s).stored_bytes for s in range(3))
         print(f"all-MiniLM-L6-v2{' (seeded weights)' if args.seeded_weights else ''}: "
               f"{total / 1e6:.1f} MB of fp32 weights; chain of 3 steps stores "

@@ -1,5 +1,6 @@
 """Freed heap handed back to the OS after a save only while more than the writer keeps is free,
-measured as resident memory of a real process with glibc's allocator."""
+measured as resident memory of a real process with glibc's allocator; the arena a mount at
+budget 0 takes its words from."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tpde import heap
 
-pytestmark = pytest.mark.skipif(heap.free_heap_bytes() is None,
-                                reason="the C library does not report its free heap")
+GLIBC = pytest.mark.skipif(heap.free_heap_bytes() is None,
+                           reason="the C library does not report its free heap")
 
 MB = 1 << 20
 
@@ -36,6 +40,7 @@ print(json.dumps(out))
 """
 
 
+@GLIBC
 def test_freed_heap_is_kept_up_to_keep_and_handed_back_above_it() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 * MB),
            "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -76,6 +81,7 @@ print(json.dumps(out))
 """
 
 
+@GLIBC
 def test_pages_faulted_in_again_after_a_trim_stay_until_more_than_keep_is_freed() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 * MB),
            "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
@@ -89,3 +95,45 @@ def test_pages_faulted_in_again_after_a_trim_stay_until_more_than_keep_is_freed(
     assert again["floor"] <= first["floor"]
     # 640 MB: the heap grew by 384 MB beyond the free bytes after the trim, handed back
     assert grown["handed_back"] > 300 * MB, grown
+
+
+#: Arena operations: take that many bytes, or free the live array at that index (modulo).
+OPS = st.lists(st.one_of(st.tuples(st.just("take"), st.integers(1, 3000)),
+                         st.tuples(st.just("free"), st.integers(0, 63))), max_size=60)
+
+
+@given(ops=OPS, size=st.sampled_from([64, 1000, 4096]))
+def test_arena_words_never_overlap_and_all_come_back(ops, size: int) -> None:
+    """Live arrays from an arena never share a byte (each keeps what was written into it while
+    the others are taken, written and freed), each is aligned, and once all are freed every
+    map is one free range again."""
+    arena = heap.Arena(size)
+    live: list[tuple[np.ndarray, int]] = []
+    mark, a = 0, None
+    for op, n in ops:
+        if op == "take":
+            mark = mark % 255 + 1
+            a = arena.take(n)
+            assert a.nbytes == n and a.ctypes.data % heap.ALIGN == 0
+            a[:] = mark
+            live.append((a, mark))
+        elif live:
+            del live[n % len(live)]
+        for a, m in live:
+            assert (a == m).all()
+        spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a, _ in live)
+        assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
+    live.clear()
+    a = None  # the loop's last array
+    assert arena._free == [[0, len(m)] for m in arena._maps]
+
+
+def test_arena_words_outlive_the_arena() -> None:
+    """An array taken from an arena stays valid after the arena is dropped; its map goes with
+    the last array."""
+    arena = heap.Arena(1 << 16)
+    a = arena.take(1 << 12)
+    a[:] = 7
+    del arena
+    b = np.ones(1 << 12, dtype=np.uint8)  # anything that might reuse the memory
+    assert (a == 7).all() and (b == 1).all()

@@ -9,6 +9,7 @@ import sys
 import time
 
 import fsspec
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,39 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str, native: boo
     assert bool(planned) == native and all(planned.values())
     model.tpde_mount.close()
 
+
+
+@NATIVE
+def test_weights_held_past_their_module_keep_their_values(encoder_chain, native: bool,
+                                                          monkeypatch) -> None:
+    """At budget 0 the words a module's native rebuild makes come from the mount's arena, and
+    each forward reuses them; a weight someone still holds (here, every MLP input weight a
+    forward computed with) is not handed out again: after later forwards each still equals
+    the stored one."""
+    native_path(monkeypatch, native)
+    run, folder = encoder_chain
+    reference = dense(folder, 2)
+    model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0)
+    kept: list[torch.Tensor] = []
+    linear = torch.nn.functional.linear
+
+    def keeping(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+        if weight.shape == reference.blocks[0]["up"].weight.shape:
+            kept.append(weight)
+        return linear(x, weight, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", keeping)
+    with torch.no_grad():
+        for _ in range(3):
+            model(**BATCH)
+    arena = model.tpde_mount._arena
+    assert arena is not None
+    maps = [(np.frombuffer(m, dtype=np.uint8).ctypes.data, len(m)) for m in arena._maps]
+    assert all(any(a <= t.data_ptr() < a + n for a, n in maps) == native for t in kept)
+    assert len(kept) == 3 * len(reference.blocks)
+    for i, t in enumerate(kept):
+        assert torch.equal(t, reference.blocks[i % len(reference.blocks)]["up"].weight), i
+    model.tpde_mount.close()
 
 #: Tests of decoding ahead, which needs a CPU that torch's threads leave free.
 AHEAD = pytest.mark.skipif(usable_cpus() < 2, reason="decoding ahead needs two CPUs")

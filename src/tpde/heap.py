@@ -8,7 +8,9 @@ free many such blocks; these tools keep what the process holds near what it uses
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -70,7 +72,8 @@ def return_freed_memory(keep: int = 0, floor: int | None = None) -> int | None:
 
 def in_heap(nbytes: int) -> np.ndarray:
     """A decode's bytes from the heap, where the next decode finds them already faulted in (a
-    fresh map's pages cost a fault each: 16 ms for 47 MB here).
+    fresh map's pages cost a fault each: 16 ms for 47 MB here): the Python path's buffers. A
+    mount at budget 0 rebuilds its words in an ``Arena``, which keeps its pages.
 
     A memory-first decode (a mount at budget 0) took its buffers from maps of their own, given
     back to the system as each was freed, and trimmed the heap after every module: a forward of
@@ -100,3 +103,68 @@ def freed(nbytes: int) -> None:
             return
         _freed = 0
     return_freed_memory()
+
+
+#: Where an arena's words start: a cache line, so that two threads writing neighbouring words
+#: never share one.
+ALIGN = 64
+
+
+class Arena:
+    """Words that a memory-first decode takes again and again, from maps of their own whose
+    pages stay faulted in: a mount at budget 0 rebuilds every module on every forward. From
+    the heap, trimmed as ``freed`` says so that the process held no more than it used, a
+    MiniLM forward faulted its words in again each time (5,500-9,200 page faults, against
+    150-290 from an arena), and its 47 MB embeddings, above glibc's mmap threshold, were
+    mapped and unmapped every forward: it decoded at 0.72-0.81x the restore path's speed at
+    the keyframe and 0.69-0.90x two deltas deep, and from an arena at 0.94-1.31x and
+    0.92-1.07x (``benchmarks/mount_bench.py --alternate``).
+
+    Words are handed out first-fit, so that the pages touched stay near the most words alive
+    at once. They go back when the last array (or tensor) viewing them is freed, whatever
+    thread frees it; a map that cannot fit a request is joined by another of at least its
+    size, and the maps go once the arena and every word taken from them are gone."""
+
+    def __init__(self, size: int) -> None:
+        self._size = max(size, ALIGN)
+        self._maps: list[mmap.mmap] = []
+        self._free: list[list[int]] = []  # each map's free (start, end) ranges, by start
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes, as an array the caller owns until it frees it."""
+        need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self._lock:
+            found = next(((i, j) for i, free in enumerate(self._free)
+                          for j in range(0, len(free), 2) if free[j + 1] - free[j] >= need),
+                         None)
+            if found is None:
+                self._grow(need)
+                found = (len(self._maps) - 1, 0)
+            i, j = found
+            start = self._free[i][j]
+            self._free[i][j] += need
+            if self._free[i][j] == self._free[i][j + 1]:
+                del self._free[i][j : j + 2]
+        out = np.frombuffer(self._maps[i], dtype=np.uint8, count=nbytes, offset=start)
+        weakref.finalize(out, self._give, i, start, start + need).atexit = False
+        return out
+
+    def _grow(self, need: int) -> None:
+        size = max(self._size, -(-need // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self._maps.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
+        self._free.append([0, size])
+
+    def _give(self, i: int, a: int, b: int) -> None:
+        with self._lock:
+            free = self._free[i]
+            j = 0
+            while j < len(free) and free[j] < a:
+                j += 2
+            free[j:j] = [a, b]
+            if j + 2 < len(free) and free[j + 1] == free[j + 2]:  # joins the next range
+                free[j + 1] = free[j + 3]
+                del free[j + 2 : j + 4]
+            if j and free[j - 1] == free[j]:  # joins the one before
+                free[j - 1] = free[j + 1]
+                del free[j : j + 2]

@@ -13,6 +13,7 @@ module needs, and how its tensors view them, is worked out once, by ``tpde.slots
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -29,6 +30,15 @@ from .api import whole
 from .chain import Chain, native, sharded, span_words
 from .errors import CorruptionError, TPDEError
 from .resident import ResidentStore
+
+#: Free heap a mount at budget 0 lets build up beyond what it held after its last trim. The
+#: trims of the Python path (``heap.freed``: every 16 MiB of values rebuilt) ran 7 times a
+#: forward of MiniLM two deltas deep, and the forward handed back the rebuilds' buffers that
+#: the next module faulted in again; at 4 MiB it trims about once, its first forward, and a
+#: small LM's forward (``benchmarks/mount_memory.py``) peaked 18-23 MiB above the baseline,
+#: against 25 with 16 MiB kept.
+KEEP_FREE_BYTES = 4 << 20
+
 
 @dataclass
 class MountStats:
@@ -100,6 +110,14 @@ class Mount:
         self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.units.items()}
         self.stats.modules = len(self.names)
         self.stats.largest_module_bytes = max(self.sizes.values(), default=0)
+        #: At budget 0 every module is decoded on every forward: its words come from an arena
+        #: whose pages stay faulted in, sized for the module in use and one decoded ahead
+        #: within the largest module's room.
+        self._arena = heap.Arena(2 * self.stats.largest_module_bytes) \
+            if budget == 0 and self.on is None else None
+        self._alloc = slots.in_arena(self._arena) if self._arena is not None else slots.in_heap
+        self._floor: int | None = None  # the free heap after the last trim (``_trim``)
+        self._unlooked = 0
         self.held = resident == "host"
         self._checked: set[str] = set()
         if self.held:
@@ -125,10 +143,16 @@ class Mount:
         # (nn.TransformerEncoderLayer's) switch themselves off when a module has hooks, and a
         # mounted model must compute exactly as the dense one does.
         self._wrapped: list[tuple[torch.nn.Module, Any]] = []
+        #: Each owner's module, and each tensor's placeholder, looked up and made once: every
+        #: forward at budget 0 assigns and releases every tensor.
+        self._modules = {owner: model.get_submodule(owner)
+                         for owned in self.units.values() for owner, *_ in owned}
+        self._ghosts: dict[str, torch.Tensor] = {}
         for name in self.names:
             self._release(name)
             self._wrap(model.get_submodule(name), self._pre(name), self._post(name))
-        self._wrap(model, None, self._learned)
+        # A local run's blobs are opened once a forward on its thread, not once a module.
+        self._wrap(model, None, self._learned, around=self.chain.store.kept_open)
 
     # ------------------------------------------------------------------ decoding
     def _hold(self) -> None:
@@ -155,6 +179,18 @@ class Mount:
             self.stats.held_compressed_bytes += sum(b - a for a, b in order)
         self.chain.store = ResidentStore(self.chain.store, held)
 
+    def _trim(self, rebuilt: int) -> None:
+        """At budget 0, once a rebuild's words add up to ``KEEP_FREE_BYTES`` since the last
+        look, hand heap pages back if the heap holds that much more free than after the last
+        trim (``heap.return_freed_memory``; its look took 45 us here): the words are the
+        arena's, and what a rebuild frees beside them is most often taken again by the next."""
+        with self._lock:
+            self._unlooked += rebuilt
+            if self._unlooked < KEEP_FREE_BYTES:
+                return
+            self._unlooked = 0
+            self._floor = heap.return_freed_memory(KEEP_FREE_BYTES, self._floor)
+
     def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
         """``_decode`` on the worker thread: on the side stream, done when it returns."""
         if self._side is None:
@@ -171,7 +207,7 @@ class Mount:
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
         spans, into = ({}, {}) if self.on is not None else \
-            slots.span_buffers(self.chain, self.step, owned)
+            slots.span_buffers(self.chain, self.step, owned, self._alloc)
         names = {n for *_, s in owned for n in s.records}
         rest = names - self._pack_names
         words: dict[str, torch.Tensor] = {}
@@ -181,7 +217,9 @@ class Mount:
                 planned = self._native[name] = native.plan(self.chain, self.step, rest)
             words = native.rebuild(self.chain, planned, check=check, into=into,
                                    threads=torch.get_num_threads() if team else 1,
-                                   alloc=slots.in_heap, memory_first=self.budget == 0)
+                                   alloc=self._alloc)
+            if self._arena is not None:
+                self._trim(sum(planned[n].word_bytes for n in words))
             if len(words) < len(planned):  # worked out again on the next decode
                 self._native.pop(name, None)
             rest = rest - words.keys()
@@ -237,7 +275,7 @@ class Mount:
 
     def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         for owner, attr, is_param, s in self.units[name]:
-            module, t = self.model.get_submodule(owner), tensors[s.key]
+            module, t = self._modules[owner], tensors[s.key]
             if self._side is not None:  # made on the side stream, read on this one
                 t.record_stream(torch.cuda.current_stream(self.device))
             if is_param:
@@ -246,33 +284,42 @@ class Mount:
                 module._buffers[attr] = t
 
     def _release(self, name: str) -> None:
-        """Put shape-and-dtype placeholders (meta tensors) back; the weights are freed."""
+        """Put shape-and-dtype placeholders (meta tensors, made once) back; the weights are
+        freed."""
         for owner, attr, is_param, s in self.units[name]:
-            module = self.model.get_submodule(owner)
-            ghost = torch.empty(s.shape, dtype=s.dtype, device="meta")
+            ghost = self._ghosts.get(s.key)
+            if ghost is None:
+                ghost = torch.empty(s.shape, dtype=s.dtype, device="meta")
+                if is_param:
+                    ghost = torch.nn.Parameter(ghost, requires_grad=False)
+                self._ghosts[s.key] = ghost
             if is_param:
-                module._parameters[attr] = torch.nn.Parameter(ghost, requires_grad=False)
+                self._modules[owner]._parameters[attr] = ghost
             else:
-                module._buffers[attr] = ghost
+                self._modules[owner]._buffers[attr] = ghost
 
     def _resident(self) -> int:
         return sum(self.sizes[n] for n in self._lru) + sum(self.sizes[n] for n in self._pending)
 
     # ------------------------------------------------------------------ around forward
     def _wrap(self, module: torch.nn.Module, before: Callable[[], None] | None,
-              after: Callable[[], None]) -> None:
-        """Run ``before`` and ``after`` around every call of ``module``'s forward."""
+              after: Callable[[], None],
+              around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+              ) -> None:
+        """Run ``before`` and ``after`` around every call of ``module``'s forward, all of it
+        within ``around()``."""
         inner = module.forward
         self._wrapped.append((module, module.__dict__.get("forward")))
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            try:  # ``after`` also when ``before`` fails: the module is no longer running
-                if before is not None:
-                    before()
-                return inner(*args, **kwargs)
-            finally:
-                after()
+            with around():
+                try:  # ``after`` also when ``before`` fails: the module is no longer running
+                    if before is not None:
+                        before()
+                    return inner(*args, **kwargs)
+                finally:
+                    after()
 
         module.forward = forward
 
@@ -336,7 +383,7 @@ class Mount:
             del self._lru[victim]
             self._release(victim)
             released += self.sizes[victim]
-        if released and self.on is None:
+        if released and self.on is None and self._arena is None:
             # Decodes free large buffers that glibc would otherwise keep: given back now and
             # then, so that a small budget bounds the process, not only the weights it holds.
             heap.freed(released)

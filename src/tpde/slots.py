@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -99,9 +100,11 @@ def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...
     return Plan(out, {r.name for r in m.records if r.parts}, set(found))
 
 
-def span_buffers(chain: Chain, step: int, owned: list[Owned]
+def span_buffers(chain: Chain, step: int, owned: list[Owned],
+                 alloc: Callable[[int, torch.dtype], torch.Tensor]
                  ) -> tuple[dict[tuple[str, ...], torch.Tensor], dict[str, torch.Tensor]]:
-    """One host buffer per span of ``owned`` stored in pieces, and each piece's place in it:
+    """One host buffer per span of ``owned`` stored in pieces (``alloc(words, word dtype)``),
+    and each piece's place in it:
     the pieces are rebuilt there, not put together after in fresh pages (MiniLM's 47 MB
     embedding in two pieces took a forward at budget 0 from 52-60 ms to 77-80)."""
     whole: dict[tuple[str, ...], torch.Tensor] = {}
@@ -109,14 +112,20 @@ def span_buffers(chain: Chain, step: int, owned: list[Owned]
     m = chain.manifest(step)
     for *_, s in owned:
         if len(s.records) > 1 and s.dcp is None and s.records not in whole:
-            whole[s.records], places = span_places([m.record(n) for n in s.records], in_heap)
+            whole[s.records], places = span_places([m.record(n) for n in s.records], alloc)
             into.update(places)
     return whole, into
 
 
 def in_heap(count: int, word_dtype: torch.dtype) -> torch.Tensor:
-    """``count`` words from the heap (``heap.in_heap``), where a memory-first decode's go."""
+    """``count`` words from the heap (``heap.in_heap``)."""
     return torch.from_numpy(heap.in_heap(count * word_dtype.itemsize)).view(word_dtype)
+
+
+def in_arena(arena: heap.Arena) -> Callable[[int, torch.dtype], torch.Tensor]:
+    """Words from ``arena``, back there once the last tensor viewing them is freed."""
+    return lambda count, word_dtype: \
+        torch.from_numpy(arena.take(count * word_dtype.itemsize)).view(word_dtype)
 
 
 def _unit(model: torch.nn.Module, owner: str, units: tuple[type, ...]) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .. import dtypes, elias, frame_threads, heap, unframe
+from .. import dtypes, elias, frame_threads, unframe
 from ..errors import TPDEError
 from ..manifest import XXH3, Record, SectionRef
 from ..transform import residual_mode
@@ -207,21 +207,18 @@ def _mode(rec: Record, kind: str) -> int | None:
 
 def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, threads: int,
             into: dict[str, torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor],
-            memory_first: bool = False, read_limit: int | None = None, fresh: bool = False
-            ) -> dict[str, torch.Tensor]:
+            read_limit: int | None = None, fresh: bool = False) -> dict[str, torch.Tensor]:
     """The words of every lineage, by name, rebuilt in one call (in ``into``'s words where it
     has a place for them, else in ``alloc(words, word_dtype)``), checked against their hashes
     with ``check``, on an OpenMP team of the calling thread of ``threads`` threads. A tensor
     that could not be read, rebuilt or checked is left out, for ``materialize`` to rebuild.
-    ``memory_first`` counts the call's buffers as freed (``heap.freed``), as ``materialize``
-    does without look-ahead: the heap is trimmed as often as on the Python path.
 
     The values of a local run are read by the call a frame at a time, as it decompresses them
     (a forward at budget 0 holds the words and a few frames, not the compressed lineage);
     other stores' are read first, unless that is more than ``read_limit`` bytes: then every
     lineage is left out. ``fresh``: the words are new memory, which the call asks to be
     backed by huge pages where the kernel has them (a restore's: faulting its words in a page
-    at a time was half of a keyframe's restore); a mount's words are the heap's, reused."""
+    at a time was half of a keyframe's restore); a mount's are reused (``heap.Arena``)."""
     if not available():  # opened again in a forked child: without a team there
         return {}
     try:
@@ -230,9 +227,6 @@ def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, thre
                                  fresh)
     except (OSError, TPDEError, ValueError):  # gone (re-based meanwhile), unreadable, or a
         return {}  # manifest whose sizes do not add up: materialize says which
-    finally:
-        if memory_first:
-            heap.freed(sum(s.values.raw for lin in lineages.values() for s in lin.records))
 
 
 def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
