@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -717,3 +720,24 @@ def test_one_compressor_per_window_makes_the_frames_of_a_fresh_one_for_each_chun
     worker.start()
     worker.join()
     assert held == [{(None, max(10, (c - 1).bit_length())) for c in chunks}]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or frame_threads.usable_cpus() < 2,
+                    reason="needs two CPUs this process may run on, and CPU affinity")
+def test_a_process_held_to_one_cpu_spreads_frames_on_one_thread() -> None:
+    """The frame threads count the CPUs a process may run on, not the machine's: held to one
+    CPU, a spread that would use every thread does its work on the calling thread alone."""
+    script = """
+import os, threading
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+from tpde import frame_threads
+threads, done = set(), []
+def work(part):
+    threads.add(threading.get_ident())
+    done.extend(part)
+frame_threads.spread(64, None, work, raw=1 << 30)
+print(len(threads), sorted(done) == list(range(64)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["1", "True"], out

@@ -21,17 +21,19 @@ _pool_lock = threading.Lock()
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
-@functools.cache
-def default_threads() -> int:
-    """Asked for by every spread of frames: ``os.cpu_count`` takes 6 us here, once."""
-    return max(1, min(8, os.cpu_count() or 1))
-
-
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity), which a mount's worker and torch's
     intra-op threads share."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
+
+
+@functools.cache
+def default_threads() -> int:
+    """Asked for by every spread of frames, and worked out once a process: the CPUs it may run
+    on, up to 8. ``os.cpu_count`` counts the machine's, and a process held to fewer (by
+    ``taskset``, or a launcher binding each rank to its cores) ran that many threads on them."""
+    return max(1, min(8, usable_cpus()))
 
 
 def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
