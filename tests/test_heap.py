@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -125,6 +126,8 @@ def test_arena_words_never_overlap_and_all_come_back(ops, size: int) -> None:
         assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
     live.clear()
     a = None  # the loop's last array
+    with arena._lock:
+        arena._join()
     assert arena._free == [[0, len(m)] for m in arena._maps]
 
 
@@ -137,3 +140,23 @@ def test_arena_words_outlive_the_arena() -> None:
     del arena
     b = np.ones(1 << 12, dtype=np.uint8)  # anything that might reuse the memory
     assert (a == 7).all() and (b == 1).all()
+
+
+def test_words_freed_while_the_arena_is_busy_come_back_at_the_next_take() -> None:
+    """Words freed while the arena's lock is held (as when the cycle collector frees an array
+    in the middle of a ``take`` on the same thread) neither wait for the lock nor get lost:
+    the next ``take`` has them."""
+    arena = heap.Arena(1 << 12)
+    held = [arena.take(1 << 12)]
+
+    def free_while_busy() -> None:
+        with arena._lock:
+            held.clear()
+
+    t = threading.Thread(target=free_while_busy, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    again = arena.take(1 << 12)
+    assert len(arena._maps) == 1 and again.ctypes.data == \
+        np.frombuffer(arena._maps[0], dtype=np.uint8).ctypes.data

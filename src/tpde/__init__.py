@@ -7,8 +7,8 @@ from typing import Any
 
 from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, snapshot
 from .chain import GcReport, Problem
-from .entry import load_checkpoint
-from .mount import Mount, load_state_dict, mount
+from .entry import load_checkpoint, load_state_dict
+from .mount import Mount, mount
 from .quant import Abs, Bound, BoundError, Rel
 from .errors import (CorruptionError, FormatError, LossyWarning, NotARunError, StepExistsError,
                      StepNotFoundError, StoreError, TPDEError, UnsafeContentError,

@@ -10,6 +10,10 @@ An entry is a valid ``torch.save`` archive whose only object is the call
 while weights-only loading refuses it with torch's error naming ``tpde.load_checkpoint``. A JSON
 member carries the same facts for readers that never unpickle. Entries are the roots of their
 chain: a step no entry names is an orphan, hidden and freed once nothing needs it.
+
+What a user names as a run may be any of these (``resolve``); ``load_checkpoint`` and
+``load_state_dict`` (a model's weights alone, the dense counterpart of ``tpde.mount``) read
+from it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import os
 import time
 import zipfile
 import zlib
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
 import torch
 
-from . import store, tree
+from . import keys, store, tree
 from .chain import MARKER, Chain
 from .errors import FormatError, NotARunError, StepNotFoundError, StoreError, TPDEError
 
@@ -277,3 +282,33 @@ def resolve(target: str, storage_options: dict[str, Any] | None = None
             return chain, found.step, None
     return chain, None, None
 
+
+def open_step(run: str, step: int | None, storage_options: dict[str, Any] | None
+              ) -> tuple[Chain, int]:
+    """The chain of ``run`` (a chain, a checkpoint folder or one entry) and the step to read:
+    ``step``, else the entry's, else the latest."""
+    chain, entry_step, _ = resolve(run, storage_options)
+    step = step if step is not None else entry_step
+    return chain, step if step is not None else chain.latest()
+
+
+def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module | None = None,
+                    map_location: str | torch.device = "cpu",
+                    storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The model state dict of ``step``, loaded in full (the dense counterpart of ``mount``).
+
+    With ``model`` the keys are the model's (prefix and container resolved as ``mount`` does);
+    without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
+    Only that part is decoded: an optimizer state beside it costs nothing.
+    """
+    chain, step = open_step(run, step, storage_options)
+    skeleton = chain.manifest(step).skeleton
+    if model is not None:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        _, container, prefix = keys.match(skeleton, shapes)
+        node, _ = chain.load(step, map_location=map_location, keep_words=False,
+                             within=container or None)  # the model's part only
+        return OrderedDict((k, node[prefix + k]) for k in shapes if prefix + k in node)
+    container = keys.weights_key(skeleton)
+    state, _ = chain.load(step, map_location=map_location, keep_words=False, within=container)
+    return state

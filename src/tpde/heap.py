@@ -108,6 +108,8 @@ def freed(nbytes: int) -> None:
 #: Where an arena's words start: a cache line, so that two threads writing neighbouring words
 #: never share one.
 ALIGN = 64
+#: Whether this system has the private anonymous maps an ``Arena`` is made of (not Windows).
+ARENAS = hasattr(mmap, "MAP_PRIVATE")
 
 
 class Arena:
@@ -122,19 +124,23 @@ class Arena:
 
     Words are handed out first-fit, so that the pages touched stay near the most words alive
     at once. They go back when the last array (or tensor) viewing them is freed, whatever
-    thread frees it; a map that cannot fit a request is joined by another of at least its
-    size, and the maps go once the arena and every word taken from them are gone."""
+    thread frees it, and are joined to the free ranges by the next ``take``: an array freed by
+    the cycle collector in the middle of a ``take`` must not wait for the lock that ``take``
+    holds. A map that cannot fit a request is joined by another of at least its size, and the
+    maps go once the arena and every word taken from them are gone."""
 
     def __init__(self, size: int) -> None:
         self._size = max(size, ALIGN)
         self._maps: list[mmap.mmap] = []
         self._free: list[list[int]] = []  # each map's free (start, end) ranges, by start
+        self._back: list[tuple[int, int, int]] = []  # given back, not yet joined
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes, as an array the caller owns until it frees it."""
         need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._lock:
+            self._join()
             found = next(((i, j) for i, free in enumerate(self._free)
                           for j in range(0, len(free), 2) if free[j + 1] - free[j] >= need),
                          None)
@@ -147,7 +153,7 @@ class Arena:
             if self._free[i][j] == self._free[i][j + 1]:
                 del self._free[i][j : j + 2]
         out = np.frombuffer(self._maps[i], dtype=np.uint8, count=nbytes, offset=start)
-        weakref.finalize(out, self._give, i, start, start + need).atexit = False
+        weakref.finalize(out, self._back.append, (i, start, start + need)).atexit = False
         return out
 
     def _grow(self, need: int) -> None:
@@ -155,8 +161,10 @@ class Arena:
         self._maps.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
         self._free.append([0, size])
 
-    def _give(self, i: int, a: int, b: int) -> None:
-        with self._lock:
+    def _join(self) -> None:
+        """The ranges given back since, joined to the free ones (with the lock held)."""
+        while self._back:
+            i, a, b = self._back.pop()
             free = self._free[i]
             j = 0
             while j < len(free) and free[j] < a:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import frame_threads, heap, keys, slots
+from . import frame_threads, heap, slots
 from . import entry as entries
 from .api import whole
 from .chain import Chain, native, sharded, span_words
@@ -114,7 +114,7 @@ class Mount:
         #: whose pages stay faulted in, sized for the module in use and one decoded ahead
         #: within the largest module's room.
         self._arena = heap.Arena(2 * self.stats.largest_module_bytes) \
-            if budget == 0 and self.on is None else None
+            if budget == 0 and self.on is None and heap.ARENAS else None
         self._alloc = slots.in_arena(self._arena) if self._arena is not None else slots.in_heap
         self._floor: int | None = None  # the free heap after the last trim (``_trim``)
         self._unlooked = 0
@@ -426,13 +426,6 @@ class Mount:
         self._lru.clear()
 
 
-def _open(run: str, step: int | None, storage_options: dict[str, Any] | None
-          ) -> tuple[Chain, int]:
-    chain, entry_step, _ = entries.resolve(run, storage_options)
-    step = step if step is not None else entry_step
-    return chain, step if step is not None else chain.latest()
-
-
 def mount(run: str, step: int | None = None,
           model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None, *,
           device: str | torch.device | None = None, budget: int | None = None,
@@ -469,32 +462,10 @@ def mount(run: str, step: int | None = None,
     if model is None:
         raise TypeError("mount needs the model (or a factory) whose weights the chain holds")
     module = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
-    chain, step = _open(run, step, storage_options)
+    chain, step = entries.open_step(run, step, storage_options)
     dev = torch.device(device if device is not None else
                        ("cuda" if torch.cuda.is_available() else "cpu"))
     module.eval()
     module.tpde_mount = Mount(chain, step, module, device=dev, budget=budget,
                               prefetch=prefetch, resident=resident, units=units, decoder=decoder)
     return module
-
-
-def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module | None = None,
-                    map_location: str | torch.device = "cpu",
-                    storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """The model state dict of ``step``, loaded in full (the dense counterpart of ``mount``).
-
-    With ``model`` the keys are the model's (prefix and container resolved as ``mount`` does);
-    without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
-    Only that part is decoded: an optimizer state beside it costs nothing.
-    """
-    chain, step = _open(run, step, storage_options)
-    skeleton = chain.manifest(step).skeleton
-    if model is not None:
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        _, container, prefix = keys.match(skeleton, shapes)
-        node, _ = chain.load(step, map_location=map_location, keep_words=False,
-                             within=container or None)  # the model's part only
-        return OrderedDict((k, node[prefix + k]) for k in shapes if prefix + k in node)
-    container = keys.weights_key(skeleton)
-    state, _ = chain.load(step, map_location=map_location, keep_words=False, within=container)
-    return state
