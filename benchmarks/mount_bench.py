@@ -147,17 +147,24 @@ def large_modules(device: torch.device, repeats: int) -> list[dict[str, Any]]:
             restore = total / restored(run, step, dense, device, repeats) / 1e6
             base = timed(dense, batch, repeats)
             del dense
-            mounted = tpde.mount(run, step, build(), device=device, budget=0)
-            ms = timed(mounted, batch, repeats)
-            st = mounted.tpde_mount.stats
-            alone = st.decoded_bytes / 1e6 / st.decode_seconds
-            mounted.tpde_mount.close()
+            ms, alone = at_budget_zero(run, step, build(), device, batch, repeats)
             print(f"{step:4d} {restore:13.0f} {alone:17.0f} {alone / restore:9.2f}x "
                   f"{ms:8.1f} ms {ms / base:7.2f}x")
             rows.append({"step": step, "restore_mb_per_s": restore,
                          "decode_only_mb_per_s": alone, "vs_restore": alone / restore,
                          "latency_ms": ms, "dense_latency_ms": base, "vs_dense": ms / base})
     return rows
+
+
+def at_budget_zero(run: str, step: int, model: torch.nn.Module, device: torch.device,
+                   batch: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
+    """``model`` mounted at ``step`` with budget 0: its median forward in ms (``timed``) and
+    the MB/s its forwards' decodes ran at (``MountStats.decode_seconds``, all of them)."""
+    mounted = tpde.mount(run, step, model, device=device, budget=0)
+    ms = timed(mounted, batch, repeats)
+    st = mounted.tpde_mount.stats
+    mounted.tpde_mount.close()
+    return ms, st.decoded_bytes / 1e6 / st.decode_seconds
 
 
 def restored(run: str, step: int, dense: torch.nn.Module, device: torch.device,
@@ -210,11 +217,7 @@ def alternated(run: str, config: Any, batch: dict[str, torch.Tensor], total: int
         for step in (0, 2):
             dense = fresh(config)
             restore = total / restored(run, step, dense, torch.device("cpu"), 3) / 1e6
-            mounted = tpde.mount(run, step, fresh(config), device="cpu", budget=0)
-            timed(mounted, batch, 5)
-            st = mounted.tpde_mount.stats
-            alone = st.decoded_bytes / 1e6 / st.decode_seconds
-            mounted.tpde_mount.close()
+            _, alone = at_budget_zero(run, step, fresh(config), torch.device("cpu"), batch, 5)
             row = got.setdefault(str(step), {"restore": [], "mount": [], "ratio": []})
             row["restore"].append(restore)
             row["mount"].append(alone)

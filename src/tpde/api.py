@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import torch
 
 from . import codec, dtypes, frames, quant, transform, tree
-from .heap import return_freed_memory
+from .heap import Trims
 from .chain import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, PREVIOUS, Chain, GcReport, Problem,
                     Reference)
 from .lease import DEFAULT_LEASE_SECONDS, Lease
@@ -207,8 +207,9 @@ class Checkpointer:
         # While removals wait, beside the run's bytes: the raw bytes of its visible steps and
         # of the largest one (``AtRest.plain``, ``AtRest.largest``), kept up the same way.
         self._plain: tuple[int, int] | None = None
-        # The C heap's free bytes after this writer's last trim (``return_freed_memory``).
-        self._heap_floor: int | None = None
+        # The C heap, trimmed after a save once it holds max_inflight_bytes more free than
+        # after this writer's last trim.
+        self._trims = Trims()
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -233,8 +234,7 @@ class Checkpointer:
                 against=self.deltas_against)
         finally:
             del flat
-            self._heap_floor = return_freed_memory(keep=self.max_inflight_bytes,
-                                                   floor=self._heap_floor)
+            self._trims.after(self.max_inflight_bytes)
         if self._deferred:
             self._free_deferred(saved=manifest, counted=counted)
         elif reference is not None:

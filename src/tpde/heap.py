@@ -105,6 +105,28 @@ def freed(nbytes: int) -> None:
     return_freed_memory()
 
 
+class Trims:
+    """The heap handed back for one user of it (a writer, a mount) whenever it holds ``keep``
+    bytes more free than after that user's last trim (the floor ``return_freed_memory``
+    compares with), looked at once ``every`` bytes were counted since the last look (0: at
+    every call; the look, ``mallinfo2``, took 45 us here)."""
+
+    def __init__(self, every: int = 0) -> None:
+        self.every = every
+        self._floor: int | None = None
+        self._unlooked = 0
+        self._lock = threading.Lock()
+
+    def after(self, keep: int, nbytes: int = 0) -> None:
+        """Count ``nbytes`` more, and look (and maybe trim) once they reach ``every``."""
+        with self._lock:
+            self._unlooked += nbytes
+            if self._unlooked < self.every:
+                return
+            self._unlooked = 0
+            self._floor = return_freed_memory(keep, self._floor)
+
+
 #: Where an arena's words start: a cache line, so that two threads writing neighbouring words
 #: never share one.
 ALIGN = 64

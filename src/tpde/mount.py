@@ -31,7 +31,8 @@ from .chain import Chain, native, sharded, span_words
 from .errors import CorruptionError, TPDEError
 from .resident import ResidentStore
 
-#: Free heap a mount at budget 0 lets build up beyond what it held after its last trim. The
+#: Free heap a mount at budget 0 lets build up beyond what it held after its last trim, looked
+#: at once for every as many bytes of words rebuilt (``heap.Trims``). The
 #: trims of the Python path (``heap.freed``: every 16 MiB of values rebuilt) ran 7 times a
 #: forward of MiniLM two deltas deep, and the forward handed back the rebuilds' buffers that
 #: the next module faulted in again; at 4 MiB it trims about once, its first forward, and a
@@ -116,8 +117,7 @@ class Mount:
         self._arena = heap.Arena(2 * self.stats.largest_module_bytes) \
             if budget == 0 and self.on is None and heap.ARENAS else None
         self._alloc = slots.in_arena(self._arena) if self._arena is not None else slots.in_heap
-        self._floor: int | None = None  # the free heap after the last trim (``_trim``)
-        self._unlooked = 0
+        self._trims = heap.Trims(every=KEEP_FREE_BYTES)
         self.held = resident == "host"
         self._checked: set[str] = set()
         if self.held:
@@ -179,18 +179,6 @@ class Mount:
             self.stats.held_compressed_bytes += sum(b - a for a, b in order)
         self.chain.store = ResidentStore(self.chain.store, held)
 
-    def _trim(self, rebuilt: int) -> None:
-        """At budget 0, once a rebuild's words add up to ``KEEP_FREE_BYTES`` since the last
-        look, hand heap pages back if the heap holds that much more free than after the last
-        trim (``heap.return_freed_memory``; its look took 45 us here): the words are the
-        arena's, and what a rebuild frees beside them is most often taken again by the next."""
-        with self._lock:
-            self._unlooked += rebuilt
-            if self._unlooked < KEEP_FREE_BYTES:
-                return
-            self._unlooked = 0
-            self._floor = heap.return_freed_memory(KEEP_FREE_BYTES, self._floor)
-
     def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
         """``_decode`` on the worker thread: on the side stream, done when it returns."""
         if self._side is None:
@@ -218,8 +206,8 @@ class Mount:
             words = native.rebuild(self.chain, planned, check=check, into=into,
                                    threads=torch.get_num_threads() if team else 1,
                                    alloc=self._alloc)
-            if self._arena is not None:
-                self._trim(sum(planned[n].word_bytes for n in words))
+            if self._arena is not None:  # what the rebuild freed beside the arena's words
+                self._trims.after(KEEP_FREE_BYTES, sum(planned[n].word_bytes for n in words))
             if len(words) < len(planned):  # worked out again on the next decode
                 self._native.pop(name, None)
             rest = rest - words.keys()

@@ -243,7 +243,7 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
     lineage's stored bytes before its call, so there a lineage storing more than
     ``batch_bytes`` is left to ``materialize``, which reads a step at a time. Called within the
     store's ``kept_open``."""
-    threads = min(8, frame_threads.usable_cpus())
+    threads = frame_threads.default_threads()
     opened, teamed = _opening()
     if not opened or (threads > 1 and not teamed):
         return {}  # on one thread where the Python path's decode threads would share the work
