@@ -741,3 +741,35 @@ print(len(threads), sorted(done) == list(range(64)))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True)
     assert out.stdout.split() == ["1", "True"], out
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or frame_threads.usable_cpus() < 2,
+                    reason="needs two CPUs to hold a process to one")
+def test_a_process_let_onto_more_cpus_spreads_frames_over_them() -> None:
+    """A process held to one CPU for its first spread, then let onto all of them (a launcher
+    binding it late, a benchmark's one-thread phase), spreads over every CPU afterwards, and
+    its decode threads number them: the count is not the one it had first."""
+    script = """
+import os, threading, time
+everywhere = os.sched_getaffinity(0)
+from tpde import frame_threads
+from tpde.chain import decode
+def spread():
+    threads = set()
+    def work(part):
+        for _ in part:
+            threads.add(threading.get_ident())
+            time.sleep(0.005)
+    frame_threads.spread(64, None, work, raw=1 << 30)
+    return len(threads), decode.pools()[0]._max_workers
+os.sched_setaffinity(0, {min(everywhere)})
+print(*spread())
+os.sched_setaffinity(0, everywhere)
+print(*spread())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    held, let = out.stdout.splitlines()
+    assert held.split() == ["1", "1"], out
+    threads, decoders = map(int, let.split())
+    assert threads >= 2 and decoders == min(8, frame_threads.usable_cpus()), out

@@ -6,7 +6,6 @@ slices of words to decode), nothing about frames or formats.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +17,8 @@ from typing import Callable, Iterable, Iterator
 SPREAD_BYTES = 2 << 20
 
 _pool_lock = threading.Lock()
-_pools: dict[int, ThreadPoolExecutor] = {}
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_pools_pid = [os.getpid()]
 
 
 def usable_cpus() -> int:
@@ -28,12 +28,29 @@ def usable_cpus() -> int:
         os.cpu_count() or 1
 
 
-@functools.cache
 def default_threads() -> int:
-    """Asked for by every spread of frames, and worked out once a process: the CPUs it may run
-    on, up to 8. ``os.cpu_count`` counts the machine's, and a process held to fewer (by
-    ``taskset``, or a launcher binding each rank to its cores) ran that many threads on them."""
+    """The CPUs this thread may run on, up to 8. ``os.cpu_count`` counts the machine's, and a
+    process held to fewer (by ``taskset``, or a launcher binding each rank to its cores) ran
+    that many threads on them. Asked afresh each time (a system call of about a microsecond):
+    a process bound to its cores after its first save or restore, or held to fewer for a
+    while, kept the count it had first, and a restore on two cores ran on one."""
     return max(1, min(8, usable_cpus()))
+
+
+def pool(name: str, size: int) -> ThreadPoolExecutor:
+    """The process's ``size`` threads called ``name``, made once per process and size.
+
+    Threads outlive the call that started them: a mount decodes many times a second, and
+    starting threads for every decode cost more than decoding a small module. A forked child
+    (a DataLoader worker) makes its own, as the parent's threads do not exist there. A process
+    whose CPUs change gets pools of the new size; those of the old size stay, idle."""
+    with _pool_lock:
+        if _pools_pid[0] != os.getpid():
+            _pools.clear()
+            _pools_pid[0] = os.getpid()
+        if (name, size) not in _pools:
+            _pools[name, size] = ThreadPoolExecutor(size, thread_name_prefix=f"tpde-{name}")
+        return _pools[name, size]
 
 
 def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
@@ -113,12 +130,5 @@ class _Shares:
 
 
 def _frame_pool() -> ThreadPoolExecutor:
-    """Made once per process (a forked child makes its own: the parent's threads do not exist
-    there); only leaf work runs on it, so callers on other pools cannot deadlock it."""
-    with _pool_lock:
-        pid = os.getpid()
-        if pid not in _pools:
-            _pools.clear()
-            _pools[pid] = ThreadPoolExecutor(default_threads() - 1 or 1,
-                                             thread_name_prefix="tpde-frames")
-        return _pools[pid]
+    """Only leaf work runs on it, so callers on other pools cannot deadlock it."""
+    return pool("frames", default_threads() - 1 or 1)

@@ -6,8 +6,6 @@ checks it; ``read`` plans which records of which steps to rebuild, in what order
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
@@ -24,25 +22,11 @@ from .plan import batches
 TASK_BYTES = 1 << 20
 
 
-_pool_lock = threading.Lock()
-_pools_of: dict[int, tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = {}
-
-
 def pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-    """The process's decode threads and the threads that fetch one step ahead.
-
-    Made once per process (a forked child, such as a DataLoader worker, makes its own: the
-    parent's threads do not exist there): a mount decodes one module at a time, many times a
-    second, and starting threads for every decode cost more than decoding a small module.
-    """
-    with _pool_lock:
-        pid = os.getpid()
-        if pid not in _pools_of:
-            _pools_of.clear()
-            decode = ThreadPoolExecutor(frame_threads.default_threads(),
-                                        thread_name_prefix="tpde-decode")
-            _pools_of[pid] = (decode, ThreadPoolExecutor(2, thread_name_prefix="tpde-prefetch"))
-        return _pools_of[pid]
+    """The process's decode threads, one for each CPU this thread may run on, and the threads
+    that fetch one step ahead."""
+    return (frame_threads.pool("decode", frame_threads.default_threads()),
+            frame_threads.pool("prefetch", 2))
 
 
 def attempt(fn: Callable[..., Any]) -> Callable[..., Any]:
