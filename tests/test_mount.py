@@ -180,6 +180,28 @@ def test_at_budget_zero_the_next_modules_are_decoded_ahead_on_a_spare_cpu(
 
 
 @AHEAD
+def test_a_mount_made_on_one_cpu_decodes_ahead_once_let_onto_more(encoder_chain) -> None:
+    """The CPUs torch's threads leave free are counted at each forward, not when the model
+    was mounted: mounted while its thread was held to one CPU, a model decodes nothing ahead
+    there, and decodes ahead once the thread may run on every CPU."""
+    run, folder = encoder_chain
+    everywhere = os.sched_getaffinity(0)
+    with torch_threads(1), torch.no_grad():
+        expected = dense(folder, 2)(**BATCH)
+        try:
+            os.sched_setaffinity(0, {min(everywhere)})
+            model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0, prefetch=4)
+            assert torch.equal(model(**BATCH), expected)
+            assert model.tpde_mount.stats.decoded_ahead == 0
+        finally:
+            os.sched_setaffinity(0, everywhere)
+        for _ in range(2):
+            assert torch.equal(model(**BATCH), expected)
+    assert model.tpde_mount.stats.decoded_ahead > 0
+    model.tpde_mount.close()
+
+
+@AHEAD
 def test_a_damaged_module_decoded_ahead_fails_its_own_forward(encoder_chain, tmp_path
                                                               ) -> None:
     """A damaged record of a module decoded ahead is an error naming its tensor, on this forward

@@ -128,7 +128,6 @@ class Mount:
         self._pending: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpde-mount") if prefetch else None
-        self._cpus = frame_threads.usable_cpus()
         #: Prefetching on a CUDA device decodes on its own stream, beside the forward's.
         self._side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
         self._order: list[str] = list(self.names)
@@ -382,9 +381,10 @@ class Mount:
         the bound a forward reaches anyway. On the CPU only when torch's intra-op threads
         leave the worker a CPU: where they take every one, those that wait for their next
         region spin on the worker's CPU and a MiniLM forward at budget 0 took 131-156 ms with
-        decodes ahead against 114-118 without."""
+        decodes ahead against 114-118 without. The CPUs are counted each time: a process may
+        be bound to its cores after its model was mounted."""
         if self._pool is None or (self.device.type == "cpu" and
-                                  torch.get_num_threads() >= self._cpus):
+                                  torch.get_num_threads() >= frame_threads.usable_cpus()):
             return
         room = None if self.budget is None else self.budget + self.stats.largest_module_bytes
         i = self._order.index(name) if name in self._order else -1
