@@ -723,45 +723,27 @@ def test_one_compressor_per_window_makes_the_frames_of_a_fresh_one_for_each_chun
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or frame_threads.usable_cpus() < 2,
-                    reason="needs two CPUs this process may run on, and CPU affinity")
-def test_a_process_held_to_one_cpu_spreads_frames_on_one_thread() -> None:
-    """The frame threads count the CPUs a process may run on, not the machine's: held to one
-    CPU, a spread that would use every thread does its work on the calling thread alone."""
-    script = """
-import os, threading
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-from tpde import frame_threads
-threads, done = set(), []
-def work(part):
-    threads.add(threading.get_ident())
-    done.extend(part)
-frame_threads.spread(64, None, work, raw=1 << 30)
-print(len(threads), sorted(done) == list(range(64)))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True)
-    assert out.stdout.split() == ["1", "True"], out
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or frame_threads.usable_cpus() < 2,
                     reason="needs two CPUs to hold a process to one")
-def test_a_process_let_onto_more_cpus_spreads_frames_over_them() -> None:
-    """A process held to one CPU for its first spread, then let onto all of them (a launcher
-    binding it late, a benchmark's one-thread phase), spreads over every CPU afterwards, and
-    its decode threads number them: the count is not the one it had first."""
+def test_the_frame_threads_count_the_cpus_a_process_may_run_on_at_each_spread() -> None:
+    """The frame threads count the CPUs a process may run on, not the machine's, and count them
+    again at each spread: held to one CPU, a spread that would use every thread does all its
+    work on the calling thread alone; let onto all of them afterwards (a launcher binding it
+    late, a benchmark's one-thread phase), it spreads over them, and its decode threads number
+    them, not the count it had first."""
     script = """
 import os, threading, time
 everywhere = os.sched_getaffinity(0)
 from tpde import frame_threads
 from tpde.chain import decode
 def spread():
-    threads = set()
+    threads, done = set(), []
     def work(part):
-        for _ in part:
+        for i in part:
             threads.add(threading.get_ident())
+            done.append(i)
             time.sleep(0.005)
     frame_threads.spread(64, None, work, raw=1 << 30)
-    return len(threads), decode.pools()[0]._max_workers
+    return len(threads), decode.pools()[0]._max_workers, sorted(done) == list(range(64))
 os.sched_setaffinity(0, {min(everywhere)})
 print(*spread())
 os.sched_setaffinity(0, everywhere)
@@ -770,6 +752,7 @@ print(*spread())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True)
     held, let = out.stdout.splitlines()
-    assert held.split() == ["1", "1"], out
-    threads, decoders = map(int, let.split())
-    assert threads >= 2 and decoders == min(8, frame_threads.usable_cpus()), out
+    assert held.split() == ["1", "1", "True"], out
+    threads, decoders, all_done = let.split()
+    assert int(threads) >= 2 and int(decoders) == min(8, frame_threads.usable_cpus()), out
+    assert all_done == "True", out

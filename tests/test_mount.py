@@ -116,7 +116,6 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str, native: boo
     model.tpde_mount.close()
 
 
-
 @NATIVE
 def test_weights_held_past_their_module_keep_their_values(encoder_chain, native: bool,
                                                           monkeypatch) -> None:
@@ -148,6 +147,7 @@ def test_weights_held_past_their_module_keep_their_values(encoder_chain, native:
     for i, t in enumerate(kept):
         assert torch.equal(t, reference.blocks[i % len(reference.blocks)]["up"].weight), i
     model.tpde_mount.close()
+
 
 #: Tests of decoding ahead, which needs a CPU that torch's threads leave free.
 AHEAD = pytest.mark.skipif(usable_cpus() < 2, reason="decoding ahead needs two CPUs")

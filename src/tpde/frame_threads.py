@@ -18,7 +18,17 @@ SPREAD_BYTES = 2 << 20
 
 _pool_lock = threading.Lock()
 _pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_pools_pid = [os.getpid()]
+
+
+def _in_child() -> None:
+    """A forked child (a DataLoader worker) makes its own pools: the parent's threads do not
+    exist there, and the lock may have been held by one of them."""
+    global _pool_lock
+    _pool_lock = threading.Lock()
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 
 def usable_cpus() -> int:
@@ -41,13 +51,9 @@ def pool(name: str, size: int) -> ThreadPoolExecutor:
     """The process's ``size`` threads called ``name``, made once per process and size.
 
     Threads outlive the call that started them: a mount decodes many times a second, and
-    starting threads for every decode cost more than decoding a small module. A forked child
-    (a DataLoader worker) makes its own, as the parent's threads do not exist there. A process
-    whose CPUs change gets pools of the new size; those of the old size stay, idle."""
+    starting threads for every decode cost more than decoding a small module. A process whose
+    CPUs change gets pools of the new size; those of the old size stay, idle."""
     with _pool_lock:
-        if _pools_pid[0] != os.getpid():
-            _pools.clear()
-            _pools_pid[0] = os.getpid()
         if (name, size) not in _pools:
             _pools[name, size] = ThreadPoolExecutor(size, thread_name_prefix=f"tpde-{name}")
         return _pools[name, size]

@@ -84,32 +84,11 @@ def in_heap(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-#: Bytes a memory-first decode frees between two trims of the heap (``freed``). Per forward of
-#: MiniLM at budget 0, trimmed every 8 / 16 / 32 MiB: 64 / 58 / 53 ms; a small bf16 model's
-#: peak rose 12 / 12-15 / 11-23 MiB over its forward, against 24 for a dense load.
-TRIM_EVERY_BYTES = 16 << 20
-_freed = 0
-_freed_lock = threading.Lock()
-
-
-def freed(nbytes: int) -> None:
-    """Count ``nbytes`` that a memory-first decode let go, and trim the heap once they add up to
-    ``TRIM_EVERY_BYTES``: trimming after each module handed back the pages the next one was
-    about to fault in again."""
-    global _freed
-    with _freed_lock:
-        _freed += nbytes
-        if _freed < TRIM_EVERY_BYTES:
-            return
-        _freed = 0
-    return_freed_memory()
-
-
 class Trims:
-    """The heap handed back for one user of it (a writer, a mount) whenever it holds ``keep``
-    bytes more free than after that user's last trim (the floor ``return_freed_memory``
-    compares with), looked at once ``every`` bytes were counted since the last look (0: at
-    every call; the look, ``mallinfo2``, took 45 us here)."""
+    """The heap handed back for one user of it (a writer, a mount, the memory-first decodes)
+    whenever it holds ``keep`` bytes more free than after that user's last trim (the floor
+    ``return_freed_memory`` compares with), looked at once ``every`` bytes were counted since
+    the last look (0: at every call; the look, ``mallinfo2``, took 45 us here)."""
 
     def __init__(self, every: int = 0) -> None:
         self.every = every
@@ -118,13 +97,31 @@ class Trims:
         self._lock = threading.Lock()
 
     def after(self, keep: int, nbytes: int = 0) -> None:
-        """Count ``nbytes`` more, and look (and maybe trim) once they reach ``every``."""
+        """Count ``nbytes`` more, and look (and maybe trim) once they reach ``every``. The
+        trim runs outside the lock: a thread that only counts never waits for another's."""
         with self._lock:
             self._unlooked += nbytes
             if self._unlooked < self.every:
                 return
             self._unlooked = 0
-            self._floor = return_freed_memory(keep, self._floor)
+            floor = self._floor
+        floor = return_freed_memory(keep, floor)
+        with self._lock:
+            self._floor = floor
+
+
+#: Bytes a memory-first decode frees between two trims of the heap (``freed``). Per forward of
+#: MiniLM at budget 0, trimmed every 8 / 16 / 32 MiB: 64 / 58 / 53 ms; a small bf16 model's
+#: peak rose 12 / 12-15 / 11-23 MiB over its forward, against 24 for a dense load.
+TRIM_EVERY_BYTES = 16 << 20
+_freed = Trims(every=TRIM_EVERY_BYTES)
+
+
+def freed(nbytes: int) -> None:
+    """Count ``nbytes`` that a memory-first decode let go, and trim the heap once they add up to
+    ``TRIM_EVERY_BYTES``: trimming after each module handed back the pages the next one was
+    about to fault in again."""
+    _freed.after(0, nbytes)
 
 
 #: Where an arena's words start: a cache line, so that two threads writing neighbouring words
