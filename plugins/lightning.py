@@ -9,15 +9,16 @@ encodes, uploads and commits saves and removals in the order they were asked for
 
 from __future__ import annotations
 
-import atexit
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
 import importlib
 import logging
 import os
 import threading
 import time
+import uuid
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
-from queue import Queue
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,8 @@ from tpde import entry as entries
 from tpde import frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
                       check_deltas_against, check_reference, check_settings, snapshot)
-from tpde.chain import PREVIOUS
+from tpde.chain import PREVIOUS, GcReport
+from tpde.errors import TPDEError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.quant import Bound, Bounds
 from tpde.store import Store
@@ -144,21 +146,33 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._start()
 
     def _start(self) -> None:
-        self._runs: dict[str, Checkpointer] = {}
-        self._next: dict[str, int] = {}
+        self._used: set[str] = set()  # the shared runs (``_RUNS``) this plugin writes
         # Each run's visible steps (raw bytes, count) as last counted, kept up by its saves:
         # counting lists the run's steps, which made each save's log line O(steps).
         self._kept: dict[str, tuple[int, int]] = {}
         self._room = threading.Semaphore(self.max_pending + 1)
-        self._jobs: Queue[Callable[[], None]] = Queue()
+        self._lock = threading.Lock()
+        self._jobs: deque[Callable[[bool], None]] = deque()
         self._worker: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []  # the worker, and ones that are ending
         self._error: BaseException | None = None
         self._seen: entries.Seen = {}
+        self._asked = 0  # saves and removals asked for, in order
+        # After teardown (the end of fit, validate, ...) nothing trains beside a save, so
+        # saves are synchronous: none is left in flight when the script goes on or ends.
+        self._finished = False
+        self._removed: dict[str, int] = {}  # path -> when it was last removed (of _asked)
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ the contract
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
+        """Snapshot ``checkpoint`` and write a pending entry at ``path``; the step is encoded
+        and committed in the background, then the entry becomes final.
+
+        The path exists when this returns, as a plain checkpoint file would: Lightning's
+        callbacks look for it at once. Readers in this process wait for the save; readers
+        elsewhere read what the path held before (``entry.PendingEntry``)."""
         self._raise_deferred()
         path = str(path)
         options = {**self.storage_options, **(storage_options or {})}
@@ -166,30 +180,81 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._room.acquire()
         try:
             # A synchronous save reads the checkpoint before training goes on: no copy needed.
-            snap = snapshot(checkpoint, device=self.device) if self.async_save else checkpoint
+            background = self.async_save and not self._finished
+            snap = snapshot(checkpoint, device=self.device) if background else checkpoint
             if self.bounds is not None and isinstance(snap, Snapshot):
                 # A pattern that matches nothing fails on the training thread, not later.
                 self.bounds.check(span.name for span in snap.flat.spans)
+            pending = self._announce(path, options) if background else None
         except BaseException:
             self._room.release()
             raise
         meta = {k: checkpoint[k] for k in ("epoch", "global_step")
                 if type(checkpoint.get(k)) is int}
         stall = (time.perf_counter() - started) * 1e3
+        asked = self._asked = self._asked + 1
 
-        def job() -> None:
+        def job(run: bool) -> None:
+            done = False
             try:
-                self._write(snap, path, options, meta, stall)
+                if run:
+                    self._write(snap, path, options, meta, stall, asked)
+                    done = True
             finally:
+                if pending is not None:
+                    if not done:
+                        self._withdraw(path, options, pending)
+                    entries.PENDING.end(path)
                 self._room.release()
 
-        self._run(job, f"save of {path}")
+        self._run(job, f"save of {path}", background)
+
+    def _announce(self, path: str, options: dict[str, Any]) -> entries.PendingEntry:
+        """Write the pending entry at ``path``, keeping the committed entry it replaces."""
+        folder, name = _split(path)
+        try:
+            previous = entries.read(path, options, wait=False)
+        except (FileNotFoundError, NotADirectoryError, TPDEError):  # nothing committed there
+            previous = None
+        url = self._chain_url(folder)
+        pending = entries.PendingEntry(run=self.chain_dir, run_url=url,
+                                       writer=entries.this_writer(), token=uuid.uuid4().hex,
+                                       previous=previous)
+        entries.PENDING.begin(path)
+        try:
+            Store(folder, options).put_atomic(name, entries.to_bytes(pending))
+        except BaseException:
+            entries.PENDING.end(path)
+            raise
+        return pending
+
+    def _withdraw(self, path: str, options: dict[str, Any],
+                  pending: entries.PendingEntry) -> None:
+        """A save that will not commit: ``path`` gets back the entry its pending one replaced
+        (or goes, if it had none), unless something else was written there since."""
+        folder, name = _split(path)
+        try:
+            found = entries.read_any(path, options)
+        except (FileNotFoundError, TPDEError):
+            return
+        if not (isinstance(found, entries.PendingEntry) and found.token == pending.token):
+            return
+        if pending.previous is None:
+            fs, p = entries.filesystem(path, options)
+            fs.rm_file(p)
+        else:
+            Store(folder, options).put_atomic(name, entries.to_bytes(pending.previous))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         self.wait()
         path = str(path)
-        chain, step, _ = entries.resolve(path, self.storage_options)
+        try:
+            chain, step, _ = entries.resolve(path, self.storage_options)
+        except FileNotFoundError as exc:
+            if isinstance(exc, TPDEError):
+                raise
+            raise FileNotFoundError(f"Checkpoint file not found: {path}") from exc
         if step is None:  # not an entry: a plain checkpoint (or nothing, which _load reports)
             from lightning.fabric.utilities.cloud_io import _load
 
@@ -200,30 +265,76 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         here = self._chain_url(_split(path)[0])
         if _rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
             # The writer resumes here: its next save is a delta against this step.
-            return self._checkpointer(here).load(step, location, trusted=trusted)
+            run = self._run_for(here)
+            with run.lock:
+                return run.ckpt.load(step, location, trusted=trusted)
         state, _ = chain.load(step, map_location=location, trusted=trusted,
                               keep_words=False)
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
+        """Delete the file at ``path`` now, as Lightning's own plugin does; what its step
+        holds in the chain is freed in the background, after the saves queued before."""
         self._raise_deferred()
         path = str(path)
-        self._run(lambda: self._remove(path), f"removal of {path}")
+        self._asked += 1
+        self._removed[entries.normalize(path)] = self._asked
+        fs, p = entries.filesystem(path, self.storage_options)
+        if _local(path) and os.path.islink(p):
+            os.unlink(p)  # save_last="link": the link goes, what it points to stays
+            return
+        if not fs.exists(p):
+            return
+        if fs.isdir(p):
+            log.warning("tpde: %s is a folder, not a tpde entry: a sharded strategy wrote it "
+                        "with torch.distributed.checkpoint without calling CheckpointIO, so "
+                        "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy or "
+                        "tpde.TPDEFSDPStrategy); removing it as Lightning would", path)
+            fs.rm(p, recursive=True)
+            return
+        try:
+            found = entries.read_any(path, self.storage_options)
+        except TPDEError:  # damaged: Lightning removes it; orphans are found by listing
+            found = None
+        fs.rm_file(p)
+        if found is None and path not in entries.PENDING:
+            return  # a plain checkpoint from before the run switched to tpde
+        folder, name = _split(path)
+        url = self._chain_url(folder)
+
+        def job(run: bool) -> None:
+            if run:
+                run_ = self._run_for(url)
+                with run_.lock:
+                    if run_.ckpt.chain.is_run():
+                        self._collect(run_.ckpt, folder, name)
+
+        self._run(job, f"removal of {path}", self.async_save and not self._finished)
 
     def teardown(self) -> None:
         """Wait for every queued save and removal, raise a deferred error, free what removed
-        checkpoints still hold, release the lease."""
+        checkpoints still hold, and give up the lease: a finished ``Trainer`` leaves no
+        thread, no copy of its state and no writer behind. The plugin stays usable."""
         try:
             self.wait()
         finally:
-            for ckpt in self._runs.values():
-                self.freed_bytes += ckpt.close().freed_bytes
+            self._finished = True
+            for url in sorted(self._used):
+                self.freed_bytes += _release(url, self).freed_bytes
+            self._used.clear()
 
     # ------------------------------------------------------------------ extras
     def wait(self) -> None:
         """Block until queued saves and removals are done; raise the first that failed."""
-        if self._worker is not None:
-            self._jobs.join()
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                thread = next((t for t in self._threads if t is not me), None)
+            if thread is None:
+                break
+            thread.join()
+            with self._lock:
+                self._threads.remove(thread)
         self._raise_deferred()
 
     @property
@@ -234,23 +345,27 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _chain_url(self, folder: str) -> str:
         return f"{folder}/{self.chain_dir}"
 
+    def _run_for(self, url: str) -> "_Run":
+        self._used.add(url)
+        return _acquire(url, self)
+
     def _checkpointer(self, url: str) -> Checkpointer:
-        if url not in self._runs:
-            self._runs[url] = Checkpointer(url, storage_options=self.storage_options,
-                                           **self.options)
-        return self._runs[url]
+        return self._run_for(url).ckpt
 
     def _write(self, snap: Snapshot | dict[str, Any], path: str, options: dict[str, Any],
-               meta: dict[str, Any], stall_ms: float) -> None:
+               meta: dict[str, Any], stall_ms: float, asked: int) -> None:
         started = time.perf_counter()
-        url = self._chain_url(_split(path)[0])
-        ckpt = self._checkpointer(url)
-        if url not in self._next:
-            self._next[url] = ckpt.next_step()
-        step = self._next[url]
-        info = ckpt.save(step, snap)
-        self._next[url] = step + 1
-        self._publish(path, options, ckpt, info, meta, stall_ms, started)
+        run = self._run_for(self._chain_url(_split(path)[0]))
+        with run.lock:
+            if run.next is None:
+                run.next = run.ckpt.next_step()
+            info = run.ckpt.save(run.next, snap)
+            run.next = info.step + 1
+            if self._removed.get(entries.normalize(path), 0) > asked:
+                # removed after this save was asked for: its step is named by nothing
+                self._collect(run.ckpt, *_split(path))
+                return
+            self._publish(path, options, run.ckpt, info, meta, stall_ms, started)
 
     def _publish(self, path: str, options: dict[str, Any], ckpt: Checkpointer, info: StepInfo,
                  meta: dict[str, Any], stall_ms: float, started: float) -> None:
@@ -263,9 +378,11 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             run=self.chain_dir, run_url=ckpt.chain.url, step=step, blob=blob,
             raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
         try:
-            replaced = entries.read(path, options)
-        except FileNotFoundError:
+            replaced = entries.read_any(path, options)
+        except (FileNotFoundError, TPDEError):
             replaced = None
+        if isinstance(replaced, entries.PendingEntry):
+            replaced = replaced.previous
         Store(folder, options).put_atomic(name, data)
         report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
                             stall_ms, time.perf_counter() - started, info.codecs)
@@ -296,29 +413,6 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, count,
                  plain / 1e6, plain / max(1, held))
 
-    def _remove(self, path: str) -> None:
-        fs, p = entries.filesystem(path, self.storage_options)
-        if _local(path) and os.path.islink(p):
-            os.unlink(p)  # save_last="link": the link goes, what it points to stays
-            return
-        if not fs.exists(p):
-            return
-        if fs.isdir(p):
-            log.warning("tpde: %s is a folder, not a tpde entry: a sharded strategy wrote it "
-                        "with torch.distributed.checkpoint without calling CheckpointIO, so "
-                        "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy or "
-                        "tpde.TPDEFSDPStrategy); removing it as Lightning would", path)
-            fs.rm(p, recursive=True)
-            return
-        found = entries.read(path, self.storage_options)
-        fs.rm_file(p)
-        if found is None:
-            return  # a plain checkpoint from before the run switched to tpde
-        folder, name = _split(path)
-        ckpt = self._checkpointer(self._chain_url(folder))
-        if ckpt.chain.is_run():
-            self._collect(ckpt, folder, name)
-
     def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
         """Hide the steps no entry names any more; their bytes go before the run could hold
         more than ``TorchCheckpointIO`` would, or at teardown (``Checkpointer.remove``'s
@@ -332,34 +426,41 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  "format's bytes: freed when needed)")
         self._log_at_rest(ckpt, ckpt.chain.at_rest().total)
 
-    def _run(self, job: Callable[[], None], what: str) -> None:
-        if not self.async_save:
-            job()
+    def _run(self, job: Callable[[bool], None], what: str, background: bool) -> None:
+        """Queue ``job`` for the worker, which ends once the queue is empty (no thread
+        outlives the work), or run it now."""
+        if not background:
+            job(True)
             return
 
-        def tagged() -> None:
+        def tagged(run: bool) -> None:
             try:
-                job()
+                job(run)
             except BaseException as exc:
                 exc.add_note(f"tpde: raised by the background {what}")
                 raise
 
-        if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="tpde-lightning",
-                                            daemon=True)
-            self._worker.start()
-        self._jobs.put(tagged)
+        with self._lock:
+            self._jobs.append(tagged)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="tpde-lightning",
+                                                daemon=True)
+                self._threads.append(self._worker)
+                self._worker.start()
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            with self._lock:
+                if not self._jobs:
+                    self._worker = None
+                    return
+                job = self._jobs.popleft()
             try:
-                if self._error is None:  # after a failure nothing queued behind it runs
-                    job()
+                job(self._error is None)  # after a failure nothing queued behind it runs
             except BaseException as exc:
-                self._error = exc
-            finally:
-                self._jobs.task_done()
+                if self._error is None:
+                    self._error = exc
+            del job  # the job holds the state's snapshot
 
     def _raise_deferred(self) -> None:
         if self._error is not None:
@@ -367,15 +468,55 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             raise exc
 
     def __getstate__(self) -> dict[str, Any]:
-        """Settings only (for spawned processes): queue, worker and open chains start afresh."""
+        """Every setting (for spawned processes); queue, worker and open chains start afresh."""
         self.wait()
-        keep = ("options", "device", "storage_options", "async_save", "chain_dir", "reports",
-                "freed_bytes", "max_pending")
-        return {k: self.__dict__[k] for k in keep}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._start()
+
+
+@dataclass
+class _Run:
+    """One chain's writer, shared by the plugins of this process that write it: a second
+    ``Trainer`` resuming where the first saved continues its chain under the same lease."""
+
+    ckpt: Checkpointer
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    users: "weakref.WeakSet[TPDECheckpointIO]" = field(default_factory=weakref.WeakSet)
+    next: int | None = None  # the step the next save gets
+
+
+_RUNS: dict[str, _Run] = {}
+_RUNS_LOCK = threading.Lock()
+
+
+def _acquire(url: str, plugin: TPDECheckpointIO) -> _Run:
+    key = entries.normalize(url)
+    with _RUNS_LOCK:
+        run = _RUNS.get(key)
+        if run is None:
+            run = _RUNS[key] = _Run(Checkpointer(url, storage_options=plugin.storage_options,
+                                                 **plugin.options))
+        run.users.add(plugin)
+        return run
+
+
+def _release(url: str, plugin: TPDECheckpointIO) -> GcReport:
+    """``plugin`` is done with ``url``'s run; the last one closes it (frees what removed
+    steps hold, drops the reference words, gives up the lease)."""
+    key = entries.normalize(url)
+    with _RUNS_LOCK:
+        run = _RUNS.get(key)
+        if run is None:
+            return GcReport()
+        run.users.discard(plugin)
+        if run.users:
+            return GcReport()
+        del _RUNS[key]
+    with run.lock:
+        return run.ckpt.close()
 
 
 for _other in _BASES[1:]:
@@ -384,11 +525,16 @@ for _other in _BASES[1:]:
 _LIVE: "weakref.WeakSet[TPDECheckpointIO]" = weakref.WeakSet()
 
 
-@atexit.register
 def _finish() -> None:
-    """Saves still queued at interpreter exit are completed, not lost."""
+    """Saves still queued at interpreter exit are completed, not lost, and every run this
+    process writes is closed (its lease given up)."""
     for plugin in list(_LIVE):
         try:
-            plugin.wait()
+            plugin.teardown()
         except BaseException as exc:  # nobody is left to raise it to
             log.error("tpde: a background checkpoint failed at exit: %s", exc)
+
+
+# Before the interpreter stops its thread pools (which the background saves encode on), not
+# after: an ``atexit`` function runs too late to save anything.
+threading._register_atexit(_finish)  # type: ignore[attr-defined]

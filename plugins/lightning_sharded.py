@@ -80,7 +80,7 @@ class _TPDESharded:
             lease_seconds=lease_seconds,
             storage_options=io.storage_options))
         if self.global_rank == 0:
-            io._next[url] = step + 1
+            io._run_for(url).next = step + 1
             info = StepInfo.of(ckpt.chain.manifest(step))
             io._publish(path, options, ckpt, info, meta,
                         (time.perf_counter() - started) * 1e3, started)

@@ -231,10 +231,15 @@ def test_background_failure_is_deferred_and_plugin_stays_usable(tmp_path) -> Non
     trainer, model, _ = fit(str(tmp_path), plugin, epochs=1)
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"not a folder")
-    trainer.save_checkpoint(str(blocker / "x.ckpt"))  # returns: the write happens later
+    with pytest.raises(tpde.StoreError):  # the entry is written at once: its failure is too
+        trainer.save_checkpoint(str(blocker / "x.ckpt"))
+    (tmp_path / "chainless").mkdir()
+    (tmp_path / "chainless" / ".tpde").write_bytes(b"a file where the chain would go")
+    trainer.save_checkpoint(str(tmp_path / "chainless" / "x.ckpt"))  # fails in the background
     with pytest.raises(tpde.StoreError) as info:
         plugin.teardown()
     assert any("background save" in note for note in info.value.__notes__)
+    assert not (tmp_path / "chainless" / "x.ckpt").exists()  # its pending entry withdrawn
     trainer.save_checkpoint(str(tmp_path / "after.ckpt"))
     plugin.teardown()
     assert_same(plugin.load_checkpoint(str(tmp_path / "after.ckpt"))["state_dict"],

@@ -109,3 +109,28 @@ def test_a_server_that_stops_answering_is_a_bounded_failure(failing, monkeypatch
     with pytest.raises(tpde.StoreError, match="may still complete"):
         ck.save(2, {"w": torch.full((10,), 2.0)})
     assert Failing.faults == [] and len(Failing.stalled) == 1 + store.RETRIES
+
+
+def test_ranges_from_a_server_that_ignores_range_are_cut_from_its_answer(tmp_path) -> None:
+    """Some HTTP servers (Python's own among them) answer a ranged GET with the whole file."""
+    import http.server
+    from functools import partial
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "blob").write_bytes(data)
+
+    class Whole(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             partial(Whole, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        s = store.Store(f"http://127.0.0.1:{server.server_address[1]}")
+        ranges = [(10, 20), (300, 310), (5000, 10240)]
+        assert [bytes(b) for b in s.read_ranges("blob", ranges)] == [data[a:b] for a, b in ranges]
+        assert bytes(s.read_range("blob", 7, 9)) == data[7:9]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -11,8 +11,8 @@ from .entry import load_checkpoint, load_state_dict
 from .mount import Mount, mount
 from .quant import Abs, Bound, BoundError, Rel
 from .errors import (CorruptionError, FormatError, LossyWarning, NotARunError, StepExistsError,
-                     StepNotFoundError, StoreError, TPDEError, UnsafeContentError,
-                     UnsupportedError, WriterConflictError)
+                     StepNotFoundError, StepPendingError, StoreError, TPDEError,
+                     UnsafeContentError, UnsupportedError, WriterConflictError)
 from tpde.plugins.hook import AttachHandle, attach
 
 __version__ = "0.2.0"
@@ -36,6 +36,7 @@ __all__ = [
     "StepInfo",
     "Snapshot",
     "StepNotFoundError",
+    "StepPendingError",
     "StoreError",
     "TPDECheckpointIO",
     "TPDEError",

@@ -22,6 +22,8 @@ import io
 import json
 import lzma
 import os
+import socket
+import threading
 import time
 import zipfile
 import zlib
@@ -34,7 +36,8 @@ import torch
 
 from . import keys, store, tree
 from .chain import MARKER, Chain
-from .errors import FormatError, NotARunError, StepNotFoundError, StoreError, TPDEError
+from .errors import (FormatError, NotARunError, StepNotFoundError, StepPendingError,
+                     StoreError, TPDEError)
 
 MEMBER = "archive/tpde-entry.json"
 #: Entries are about a kilobyte; anything larger at a checkpoint path is a plain checkpoint.
@@ -57,6 +60,23 @@ class CheckpointEntry:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PendingEntry:
+    """An entry written when a save was asked for, before its step commits (version 2).
+
+    It makes the path exist at once, as a plain checkpoint file would, and keeps the entry it
+    replaced (``previous``): until the writer puts the final entry there, readers in the
+    writer's process wait for it (``PENDING``), and readers elsewhere get ``previous``, which
+    is what the path held before the save, as after an interrupted plain save."""
+
+    run: str
+    run_url: str
+    writer: str  # host:pid of the process whose save this is
+    token: str  # tells this pending save from another one of the same path
+    previous: CheckpointEntry | None
+    created: float = field(default_factory=time.time)
+
+
 class _Call:
     """Pickles as ``tpde.load_checkpoint(run_url, step, blob)``."""
 
@@ -67,16 +87,43 @@ class _Call:
         return load_checkpoint, self.args
 
 
-def to_bytes(entry: CheckpointEntry) -> bytes:
+class _Awaited:
+    """Pickles as ``tpde.load_checkpoint(path)`` of a pending entry's chain: it names no step,
+    so loading it says that the save is not committed yet."""
+
+    def __init__(self, entry: PendingEntry) -> None:
+        self.args = (entry.run_url, PENDING_STEP, entry.token)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return load_checkpoint, self.args
+
+
+#: The step a pending entry without a previous one pickles: no step has it.
+PENDING_STEP = -1
+
+
+def _archive(call: Any, doc: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
-    torch.save(_Call(entry), buf)
+    torch.save(call, buf)
     with zipfile.ZipFile(buf, "a") as z:
-        z.writestr(MEMBER, json.dumps({"format": "tpde-entry", "version": 1, **asdict(entry)}))
+        z.writestr(MEMBER, json.dumps({"format": "tpde-entry", **doc}))
     return buf.getvalue()
 
 
-def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
-    """The entry in ``data``, or None when ``data`` is not an entry (a plain checkpoint)."""
+def to_bytes(entry: CheckpointEntry | PendingEntry) -> bytes:
+    if isinstance(entry, PendingEntry):
+        doc = asdict(entry)
+        call = _Call(entry.previous) if entry.previous is not None else _Awaited(entry)
+        return _archive(call, {"version": 2, "pending": True, **doc})
+    return _archive(_Call(entry), {"version": 1, **asdict(entry)})
+
+
+def this_writer() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def parse_any(data: bytes, where: str = "") -> CheckpointEntry | PendingEntry | None:
+    """The entry in ``data`` as written, or None when ``data`` is not an entry."""
     if len(data) > MAX_ENTRY_BYTES or not data.startswith(b"PK\x03\x04"):
         return None
     try:
@@ -91,14 +138,70 @@ def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
         raise FormatError(f"checkpoint entry {where} is damaged ({exc}); restore it from the "
                           "chain with `tpde ls` / `tpde restore`") from None
     try:
-        if doc.pop("format") != "tpde-entry" or doc.pop("version") != 1:
-            raise ValueError("unknown format or version")
-        entry = CheckpointEntry(**doc)
-        if type(entry.step) is not int or not isinstance(entry.blob, str):
-            raise ValueError("step or blob has the wrong type")
+        if doc.pop("format") != "tpde-entry":
+            raise ValueError("unknown format")
+        version = doc.pop("version")
+        if version == 2 and doc.pop("pending") is True:
+            previous = doc.pop("previous")
+            entry: CheckpointEntry | PendingEntry = PendingEntry(
+                **doc, previous=None if previous is None else _final(previous))
+            if not isinstance(entry.token, str):
+                raise ValueError("token has the wrong type")
+            return entry
+        if version != 1:
+            raise ValueError(f"unknown version {version}")
+        return _final(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"checkpoint entry {where} is malformed ({exc})") from None
+
+
+def _final(doc: dict[str, Any]) -> CheckpointEntry:
+    entry = CheckpointEntry(**doc)
+    if type(entry.step) is not int or not isinstance(entry.blob, str):
+        raise ValueError("step or blob has the wrong type")
     return entry
+
+
+def parse(data: bytes, where: str = "") -> CheckpointEntry | None:
+    """The committed entry in ``data``, or None when ``data`` is not an entry (a plain
+    checkpoint). A pending entry gives the entry it replaced; with none, it raises
+    ``StepPendingError``: the path's first save has not committed."""
+    entry = parse_any(data, where)
+    return _committed(entry, where) if isinstance(entry, PendingEntry) else entry
+
+
+class Pending:
+    """The saves of this process whose entries are still pending, by path: a reader here
+    waits for them, so a path saved in this process reads as saved once the call returns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._count: dict[str, int] = {}
+
+    def begin(self, path: str) -> None:
+        with self._lock:
+            key = normalize(path)
+            self._count[key] = self._count.get(key, 0) + 1
+
+    def end(self, path: str) -> None:
+        with self._lock:
+            key = normalize(path)
+            self._count[key] -= 1
+            if not self._count[key]:
+                del self._count[key]
+                self._lock.notify_all()
+
+    def wait(self, path: str) -> None:
+        with self._lock:
+            key = normalize(path)
+            self._lock.wait_for(lambda: key not in self._count)
+
+    def __contains__(self, path: str) -> bool:
+        with self._lock:
+            return normalize(path) in self._count
+
+
+PENDING = Pending()
 
 
 def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
@@ -106,12 +209,34 @@ def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
 
 
-def read(path: str, storage_options: dict[str, Any] | None = None) -> CheckpointEntry | None:
-    """The entry at ``path``, or None when the file there is not one. A missing file raises."""
+def read(path: str, storage_options: dict[str, Any] | None = None, *,
+         wait: bool = True) -> CheckpointEntry | None:
+    """The entry at ``path``, or None when the file there is not one. A missing file raises.
+
+    A save of ``path`` still under way in this process is waited for (``wait=False``: the
+    entry it replaces is read instead, as from another process)."""
+    if wait:
+        PENDING.wait(path)
+    found = read_any(path, storage_options)
+    return _committed(found, str(path)) if isinstance(found, PendingEntry) else found
+
+
+def read_any(path: str, storage_options: dict[str, Any] | None = None
+             ) -> CheckpointEntry | PendingEntry | None:
+    """The entry at ``path`` as written (pending or final), or None when it is no entry."""
     fs, p = filesystem(path, storage_options)
     if fs.size(p) > MAX_ENTRY_BYTES:
         return None
-    return parse(fs.cat_file(p), where=str(path))
+    return parse_any(fs.cat_file(p), where=str(path))
+
+
+def _committed(entry: PendingEntry, where: str) -> CheckpointEntry:
+    if entry.previous is None:
+        raise StepPendingError(
+            f"the checkpoint at {where} is still being saved by {entry.writer}, or that save "
+            "was interrupted before it committed; wait for the save, or load another "
+            "checkpoint of the run (tpde ls on its folder lists them)", run=entry.run_url)
+    return entry.previous
 
 
 def folder(path: str) -> str:
@@ -169,6 +294,10 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
                         "TPDECheckpointIO wrote it, the entry is damaged: load another "
                         "checkpoint of the run (tpde ls on its folder lists them)") from None
         step = step if step is not None else chain.latest()
+    elif step == PENDING_STEP:
+        raise StepPendingError("this checkpoint entry was written when its save began, and "
+                               "the save had not committed; load the file again once it has, "
+                               "or another checkpoint of the run", run=path)
     else:
         chain = Chain(path, storage_options)
         check(chain, step, blob, f"tpde.load_checkpoint({path!r}, {step})")
@@ -222,7 +351,7 @@ def listing(folder_url: str, chain: Chain, storage_options: dict[str, Any] | Non
         listed.add(key)
         if key[1] is None or key not in seen:
             try:
-                seen[key] = read(url, storage_options)
+                seen[key] = read(url, storage_options, wait=False)
             except (FileNotFoundError, TPDEError):
                 continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
         entry = seen[key]

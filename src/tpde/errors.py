@@ -42,6 +42,10 @@ class StepNotFoundError(TPDEError, FileNotFoundError):
     """The step is not committed in the run, or it was removed."""
 
 
+class StepPendingError(StepNotFoundError):
+    """A checkpoint path whose first save has not committed yet (or was interrupted)."""
+
+
 class StepExistsError(TPDEError, FileExistsError):
     """A committed step is immutable and cannot be written twice."""
 

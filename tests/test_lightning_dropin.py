@@ -1,0 +1,250 @@
+"""TPDECheckpointIO behaves as Lightning's default CheckpointIO does, where a user can tell.
+
+Each test is one behaviour that Lightning's own checkpoint tests rely on, with a real
+``Trainer``: a saved path is there when ``save_checkpoint`` returns, nothing queued is lost at
+exit, a finished ``Trainer`` leaves no thread or state behind, the plugin pickles whole for
+spawned workers, and reads work over stores that answer ranges badly.
+"""
+
+from __future__ import annotations
+
+import gc
+import http.server
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import tpde  # noqa: E402
+from helpers import assert_same  # noqa: E402
+from tpde import entry as entries  # noqa: E402
+from tpde.chain import Chain  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from lightning_train import CharLM, loaders  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def trainer_for(root: Any, io: Any, *, epochs: int = 1, callbacks: list[Any] | None = None,
+                **kwargs: Any) -> L.Trainer:
+    return L.Trainer(default_root_dir=str(root), max_epochs=epochs, plugins=[io],
+                     callbacks=callbacks or [], logger=False,
+                     accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, limit_train_batches=2, limit_val_batches=1,
+                     **kwargs)
+
+
+def model_and_data(seed: int = 0, dim: int = 16) -> tuple[CharLM, Any, Any]:
+    L.seed_everything(seed, verbose=False)
+    train, val = loaders(windows=32, batch=16)
+    return CharLM(dim=dim, layers=1), train, val
+
+
+def tpde_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("tpde")]
+
+
+def test_a_saved_path_is_there_when_save_returns_and_a_new_trainer_resumes_from_it(
+        tmp_path) -> None:
+    model, train, val = model_and_data()
+    first = trainer_for(tmp_path, tpde.TPDECheckpointIO(), callbacks=[])
+    first.fit(model, train, val)
+    path = str(tmp_path / "new" / "manual.ckpt")
+    first.save_checkpoint(path)
+    assert os.path.isfile(path)  # before any wait(): Lightning checks files at once
+    again, train, val = model_and_data(seed=1)
+    second = trainer_for(tmp_path, tpde.TPDECheckpointIO(), epochs=2)  # a plugin of its own
+    second.fit(again, train, val, ckpt_path=path)
+    assert second.global_step == 2 * first.global_step
+    resumed = tpde.TPDECheckpointIO()
+    assert resumed.load_checkpoint(path)["global_step"] == first.global_step
+    resumed.teardown()
+
+
+def test_a_repeated_file_name_gets_versions_and_every_checkpoint_survives(tmp_path) -> None:
+    model, train, val = model_and_data()
+    callback = ModelCheckpoint(dirpath=str(tmp_path), filename="fixed", monitor="val_loss",
+                               save_top_k=-1, every_n_epochs=1)
+    trainer = trainer_for(tmp_path, tpde.TPDECheckpointIO(), epochs=4, callbacks=[callback])
+    trainer.fit(model, train, val)
+    names = sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt"))
+    assert names == ["fixed-v1.ckpt", "fixed-v2.ckpt", "fixed-v3.ckpt", "fixed.ckpt"]
+    steps = [entries.read(str(tmp_path / n)).step for n in names]
+    assert len(set(steps)) == 4
+    assert sorted(steps) == Chain(str(tmp_path / ".tpde")).steps()
+
+
+def test_save_last_link_into_a_folder_that_does_not_exist_yet(tmp_path) -> None:
+    model, train, val = model_and_data()
+    folder = tmp_path / "not" / "yet"
+    callback = ModelCheckpoint(dirpath=str(folder), save_last="link", every_n_epochs=1)
+    trainer = trainer_for(tmp_path, tpde.TPDECheckpointIO(), epochs=2, callbacks=[callback])
+    trainer.fit(model, train, val)
+    assert os.path.islink(folder / "last.ckpt")
+    io = tpde.TPDECheckpointIO()
+    assert io.load_checkpoint(str(folder / "last.ckpt"))["global_step"] == trainer.global_step
+    io.teardown()
+
+
+SCRIPT = """
+import sys, torch
+import tpde
+state = {{"w": torch.arange(1 << 20, dtype=torch.float32), "global_step": 3}}
+io = tpde.TPDECheckpointIO()
+io.save_checkpoint(state, {final!r})  # queued in the background; exit comes next
+"""
+
+
+def test_a_save_queued_at_interpreter_exit_is_completed(tmp_path) -> None:
+    final = str(tmp_path / "final.ckpt")
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(final=final)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr
+    assert "failed at exit" not in done.stderr
+    state = tpde.load_checkpoint(final)
+    assert state["global_step"] == 3
+    assert torch.equal(state["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+def test_a_save_during_fit_is_there_at_once_and_read_in_this_process_when_done(
+        tmp_path) -> None:
+    """Saves during fit go to the background: the path holds a pending entry until the step
+    commits, and any reader in this process waits for it."""
+    seen: list[int] = []
+
+    class SaveMidway(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            path = str(tmp_path / "mid" / f"e{trainer.current_epoch}.ckpt")
+            trainer.save_checkpoint(path)
+            assert os.path.isfile(path)
+            seen.append(tpde.load_checkpoint(path)["global_step"])  # waits for the save
+            assert isinstance(entries.read_any(path), entries.CheckpointEntry)
+
+    model, train, val = model_and_data()
+    plugin = tpde.TPDECheckpointIO()
+    trainer = trainer_for(tmp_path, plugin, epochs=2, callbacks=[SaveMidway()])
+    trainer.fit(model, train, val)
+    assert seen == [2, 4]
+    assert [r.path.rsplit("/", 1)[-1] for r in plugin.reports if "mid" in r.path] == \
+        ["e0.ckpt", "e1.ckpt"]
+
+
+def test_the_plugin_pickles_with_every_setting_and_saves_after(tmp_path) -> None:
+    plugin = tpde.TPDECheckpointIO(error_bound={"state_dict/*": tpde.Rel(1e-3)},
+                                   keyframe_every=3, max_pending=2)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy.options == plugin.options and copy.max_pending == 2
+    model, train, val = model_and_data()
+    trainer = trainer_for(tmp_path, copy)
+    trainer.fit(model, train, val)
+    trainer.save_checkpoint(str(tmp_path / "b.ckpt"))
+    copy.teardown()
+    saved = copy.load_checkpoint(str(tmp_path / "b.ckpt"))["state_dict"]
+    for name, value in model.state_dict().items():
+        assert torch.allclose(saved[name], value, rtol=1e-3, atol=0), name
+    copy.teardown()
+
+
+def test_ddp_spawn_with_a_passed_plugin_keeps_its_final_weights(tmp_path) -> None:
+    model, train, val = model_and_data()
+    # Spawning pickles the loaders: their tensors own their storage (views of one fail to
+    # share).
+    train, val = (torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        loader.dataset.tensors[0].clone()), batch_size=16) for loader in (train, val))
+    callback = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_epochs=1)
+    plugin = tpde.TPDECheckpointIO(error_bound={"*weight": tpde.Rel(1e-3)})
+    trainer = trainer_for(tmp_path, plugin, callbacks=[callback], strategy="ddp_spawn", devices=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer.fit(model, train, val)
+    io = tpde.TPDECheckpointIO()
+    last = io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert last["global_step"] > 0
+    # The weights came back from the workers through the plugin: trained, within the bound.
+    for name, value in model.named_parameters():
+        assert not torch.equal(value, before[name]), name
+        assert torch.allclose(last["state_dict"][name], value, rtol=2e-3, atol=0), name
+    io.teardown()
+
+
+def test_finished_trainers_leave_no_thread_and_no_copy_of_the_state(tmp_path) -> None:
+    """The stock plugin holds nothing once fit returns: neither may this one."""
+    before = {t.ident for t in tpde_threads()}
+    plugin = tpde.TPDECheckpointIO()
+    largest = None
+    for epoch in range(3):
+        model, train, val = model_and_data(dim=48)
+        callback = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_epochs=1)
+        trainer = trainer_for(tmp_path, plugin, callbacks=[callback])
+        trainer.fit(model, train, val)
+        largest = max(model.parameters(), key=lambda p: p.numel()).shape
+        assert {t.ident for t in tpde_threads()} <= before
+        del trainer, model, callback
+    gc.collect()
+    alive = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.shape == largest]
+    assert not alive, f"{len(alive)} tensors of the model's shape outlived its Trainer"
+    plugin.teardown()
+    assert plugin.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 2
+
+
+def test_the_last_removal_before_teardown_frees_its_step(tmp_path) -> None:
+    """save_top_k=1 on a falling metric removes the previous best after each save, the last
+    of them right before fit ends: no step but the kept one survives it."""
+
+    class Falling(CharLM):
+        def on_validation_epoch_end(self) -> None:
+            self.log("score", float(-self.current_epoch))
+
+    L.seed_everything(0, verbose=False)
+    model = Falling(dim=16, layers=1)
+    train, val = loaders(windows=32, batch=16)
+    callback = ModelCheckpoint(dirpath=str(tmp_path), monitor="score", mode="min",
+                               save_top_k=1, every_n_epochs=1)
+    plugin = tpde.TPDECheckpointIO()
+    trainer_for(tmp_path, plugin, epochs=3, callbacks=[callback]).fit(model, train, val)
+    names = [n for n in os.listdir(tmp_path) if n.endswith(".ckpt")]
+    chain = Chain(str(tmp_path / ".tpde"))
+    assert len(names) == 1
+    assert chain.steps() == [entries.read(str(tmp_path / names[0])).step]
+    assert not chain.at_rest().hidden
+
+
+class _Whole(http.server.SimpleHTTPRequestHandler):
+    """Answers every GET with the whole file, whatever Range asks (as some servers do)."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_reading_over_http_from_a_server_that_ignores_range(tmp_path) -> None:
+    model, train, val = model_and_data()
+    callback = ModelCheckpoint(dirpath=str(tmp_path), save_last=True, every_n_epochs=1)
+    plugin = tpde.TPDECheckpointIO()
+    trainer_for(tmp_path, plugin, epochs=2, callbacks=[callback]).fit(model, train, val)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             partial(_Whole, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/last.ckpt"
+        state = tpde.load_checkpoint(url)
+        weights = tpde.load_state_dict(url)  # the model's records alone: ranges of the blob
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert_same(dict(state["state_dict"]), dict(model.state_dict()))
+    assert_same(dict(weights), dict(model.state_dict()))
