@@ -13,6 +13,7 @@ import concurrent.futures.thread  # noqa: F401  (its exit hook is registered bef
 import importlib
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -80,6 +81,32 @@ def _split(path: str) -> tuple[str, str]:
         return os.path.dirname(path), os.path.basename(path)
     head, _, name = path.rpartition("/")
     return head, name
+
+
+#: Where ``Trainer`` lives; looked up when a save is made, since a ``Trainer`` that is
+#: saving has been imported (importing it here would import the whole trainer).
+_TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
+#: How far up the stack ``Trainer.save_checkpoint`` is looked for (it calls the strategy's,
+#: which calls the plugin's).
+_STACK_DEPTH = 6
+
+
+def _fitting() -> bool:
+    """Whether this thread is inside a ``Trainer`` that is fitting. Only then does training
+    go on beside a save; anywhere else (before or after ``fit``, in ``validate``, Fabric, a
+    wrapping plugin's thread) a save is written before it returns, so none is left in flight
+    when the caller goes on, reads the file or exits."""
+    trainers = tuple(getattr(sys.modules[name], "Trainer") for name in _TRAINER_MODULES
+                     if name in sys.modules)
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, trainers):
+            return owner.state.fn == "fit" and owner.state.status == "running"
+    return False
 
 
 def _rank() -> int:
@@ -158,9 +185,6 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._error: BaseException | None = None
         self._seen: entries.Seen = {}
         self._asked = 0  # saves and removals asked for, in order
-        # After teardown (the end of fit, validate, ...) nothing trains beside a save, so
-        # saves are synchronous: none is left in flight when the script goes on or ends.
-        self._finished = False
         self._removed: dict[str, int] = {}  # path -> when it was last removed (of _asked)
         _LIVE.add(self)
 
@@ -180,7 +204,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._room.acquire()
         try:
             # A synchronous save reads the checkpoint before training goes on: no copy needed.
-            background = self.async_save and not self._finished
+            background = self.async_save and _fitting()
             snap = snapshot(checkpoint, device=self.device) if background else checkpoint
             if self.bounds is not None and isinstance(snap, Snapshot):
                 # A pattern that matches nothing fails on the training thread, not later.
@@ -309,7 +333,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                     if run_.ckpt.chain.is_run():
                         self._collect(run_.ckpt, folder, name)
 
-        self._run(job, f"removal of {path}", self.async_save and not self._finished)
+        self._run(job, f"removal of {path}", self.async_save and _fitting())
 
     def teardown(self) -> None:
         """Wait for every queued save and removal, raise a deferred error, free what removed
@@ -318,7 +342,6 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         try:
             self.wait()
         finally:
-            self._finished = True
             for url in sorted(self._used):
                 self.freed_bytes += _release(url, self).freed_bytes
             self._used.clear()
@@ -533,6 +556,15 @@ def _finish() -> None:
             plugin.teardown()
         except BaseException as exc:  # nobody is left to raise it to
             log.error("tpde: a background checkpoint failed at exit: %s", exc)
+    with _RUNS_LOCK:  # runs whose plugins were dropped without a teardown
+        left = list(_RUNS.values())
+        _RUNS.clear()
+    for run in left:
+        try:
+            with run.lock:
+                run.ckpt.close()
+        except BaseException as exc:
+            log.error("tpde: closing %s at exit failed: %s", run.ckpt.run, exc)
 
 
 # Before the interpreter stops its thread pools (which the background saves encode on), not

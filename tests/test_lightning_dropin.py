@@ -31,6 +31,7 @@ import tpde  # noqa: E402
 from helpers import assert_same  # noqa: E402
 from tpde import entry as entries  # noqa: E402
 from tpde.chain import Chain  # noqa: E402
+from tpde.lease import LEASE  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from lightning_train import CharLM, loaders  # noqa: E402
@@ -102,24 +103,43 @@ def test_save_last_link_into_a_folder_that_does_not_exist_yet(tmp_path) -> None:
 
 
 SCRIPT = """
-import sys, torch
+import sys, torch, lightning as L
+sys.path.insert(0, {examples!r})
 import tpde
-state = {{"w": torch.arange(1 << 20, dtype=torch.float32), "global_step": 3}}
-io = tpde.TPDECheckpointIO()
-io.save_checkpoint(state, {final!r})  # queued in the background; exit comes next
+from lightning_train import CharLM, loaders
+L.seed_everything(0, verbose=False)
+model = CharLM(dim=16, layers=1)
+train, val = loaders(windows=32, batch=16)
+trainer = L.Trainer(max_epochs=1, plugins=[tpde.TPDECheckpointIO()], logger=False,
+                    accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                    enable_checkpointing=False, limit_train_batches=2, limit_val_batches=1)
+trainer.fit(model, train, val)
+torch.save(model.state_dict(), {plain!r})
+trainer.save_checkpoint({final!r})  # the script's last line: exit comes next
 """
 
 
-def test_a_save_queued_at_interpreter_exit_is_completed(tmp_path) -> None:
-    final = str(tmp_path / "final.ckpt")
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(final=final)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+def test_a_save_on_the_last_line_of_a_script_is_not_lost(tmp_path) -> None:
+    final, plain = str(tmp_path / "final.ckpt"), str(tmp_path / "plain.pt")
+    script = SCRIPT.format(examples=os.path.join(ROOT, "examples"), plain=plain, final=final)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
     assert "failed at exit" not in done.stderr
-    state = tpde.load_checkpoint(final)
-    assert state["global_step"] == 3
-    assert torch.equal(state["w"], torch.arange(1 << 20, dtype=torch.float32))
+    state = tpde.load_checkpoint(final)["state_dict"]
+    assert_same(dict(state), dict(torch.load(plain)))
+    assert not (tmp_path / ".tpde" / LEASE).exists()  # the writer gave the run up at exit
+
+
+def test_a_save_after_fit_is_written_when_it_returns(tmp_path) -> None:
+    model, train, val = model_and_data()
+    plugin = tpde.TPDECheckpointIO()
+    trainer = trainer_for(tmp_path, plugin, callbacks=[], enable_checkpointing=False)
+    trainer.fit(model, train, val)
+    trainer.save_checkpoint(str(tmp_path / "after.ckpt"))
+    assert not [t for t in tpde_threads() if t.name == "tpde-lightning"]  # none in flight
+    found = entries.read_any(str(tmp_path / "after.ckpt"))
+    assert isinstance(found, entries.CheckpointEntry) and found.meta["global_step"] == 2
 
 
 def test_a_save_during_fit_is_there_at_once_and_read_in_this_process_when_done(

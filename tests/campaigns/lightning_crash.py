@@ -71,20 +71,20 @@ def child(folder: str, kill_at: int) -> None:
     from tpde.plugins.lightning import TPDECheckpointIO
 
     journal = open(os.path.join(folder, JOURNAL), "a", buffering=1)
-    write, remove = TPDECheckpointIO._write, TPDECheckpointIO._remove
+    write, remove = TPDECheckpointIO._write, TPDECheckpointIO.remove_checkpoint
 
     def journaled_write(self: Any, snap: Any, path: str, options: Any, meta: dict,
-                        stall_ms: float) -> None:
+                        stall_ms: float, asked: int) -> None:
         name = os.path.basename(path)
         journal.write(f"saving {name}\n")
-        write(self, snap, path, options, meta, stall_ms)
+        write(self, snap, path, options, meta, stall_ms, asked)
         journal.write(f"saved {name} {meta['global_step']}\n")
 
-    def journaled_remove(self: Any, path: str) -> None:
-        journal.write(f"removing {os.path.basename(path)}\n")
+    def journaled_remove(self: Any, path: Any) -> None:
+        journal.write(f"removing {os.path.basename(str(path))}\n")
         remove(self, path)
 
-    TPDECheckpointIO._write, TPDECheckpointIO._remove = journaled_write, journaled_remove
+    TPDECheckpointIO._write, TPDECheckpointIO.remove_checkpoint = journaled_write, journaled_remove
     count = arm(kill_at)
     last = os.path.join(folder, "last.ckpt")
     fit(folder, 3, top_k=1, ckpt_path=last)
@@ -109,14 +109,20 @@ class Reference:
 
 
 def checkpoints(folder: str) -> dict[str, tuple[int, Any]]:
-    """Every .ckpt file in ``folder``: its global step and state dict."""
+    """Every .ckpt file in ``folder`` that names a committed step: its global step and state
+    dict (a pending entry reads as the entry it replaced)."""
     from tpde import entry
 
     out = {}
     for name in sorted(os.listdir(folder)):
-        if name.endswith(".ckpt"):
-            state = entry.load_checkpoint(os.path.join(folder, name))
-            out[name] = state["global_step"], state["state_dict"]
+        if not name.endswith(".ckpt"):
+            continue
+        path = os.path.join(folder, name)
+        found = entry.read_any(path)
+        if isinstance(found, entry.PendingEntry) and found.previous is None:
+            continue  # a first save the kill cut short: nothing was committed at this path
+        state = entry.load_checkpoint(path)
+        out[name] = state["global_step"], state["state_dict"]
     return out
 
 
