@@ -96,16 +96,17 @@ def _fitting() -> bool:
     go on beside a save; anywhere else (before or after ``fit``, in ``validate``, Fabric, a
     wrapping plugin's thread) a save is written before it returns, so none is left in flight
     when the caller goes on, reads the file or exits."""
-    trainers = tuple(getattr(sys.modules[name], "Trainer") for name in _TRAINER_MODULES
-                     if name in sys.modules)
+    trainers = [sys.modules[name].Trainer for name in _TRAINER_MODULES if name in sys.modules]
+    codes = {trainer.save_checkpoint.__code__: trainer for trainer in trainers}
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         frame = frame.f_back
         if frame is None:
             return False
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, trainers):
-            return owner.state.fn == "fit" and owner.state.status == "running"
+        if frame.f_code in codes:  # only this frame's locals are read: reading a frame's
+            owner = frame.f_locals.get("self")  # locals keeps them alive as long as it lives
+            if isinstance(owner, codes[frame.f_code]):
+                return owner.state.fn == "fit" and owner.state.status == "running"
     return False
 
 
@@ -184,6 +185,9 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._threads: list[threading.Thread] = []  # the worker, and ones that are ending
         self._error: BaseException | None = None
         self._seen: entries.Seen = {}
+        # A plugin dropped without a teardown no longer keeps its runs (and their reference
+        # words) in memory; its lease lapses as a dead writer's does.
+        weakref.finalize(self, _forget, self._used)
         self._asked = 0  # saves and removals asked for, in order
         self._removed: dict[str, int] = {}  # path -> when it was last removed (of _asked)
         _LIVE.add(self)
@@ -526,6 +530,16 @@ def _acquire(url: str, plugin: TPDECheckpointIO) -> _Run:
         return run
 
 
+def _forget(urls: set[str]) -> None:
+    """Drop the runs at ``urls`` that no live plugin uses (no I/O: this runs at collection)."""
+    with _RUNS_LOCK:
+        for url in urls:
+            key = entries.normalize(url)
+            run = _RUNS.get(key)
+            if run is not None and not list(run.users):
+                del _RUNS[key]
+
+
 def _release(url: str, plugin: TPDECheckpointIO) -> GcReport:
     """``plugin`` is done with ``url``'s run; the last one closes it (frees what removed
     steps hold, drops the reference words, gives up the lease)."""
@@ -549,22 +563,13 @@ _LIVE: "weakref.WeakSet[TPDECheckpointIO]" = weakref.WeakSet()
 
 
 def _finish() -> None:
-    """Saves still queued at interpreter exit are completed, not lost, and every run this
-    process writes is closed (its lease given up)."""
+    """Saves still queued at interpreter exit (a ``Trainer`` fitting in a thread of its own)
+    are completed, not lost."""
     for plugin in list(_LIVE):
         try:
-            plugin.teardown()
+            plugin.wait()
         except BaseException as exc:  # nobody is left to raise it to
             log.error("tpde: a background checkpoint failed at exit: %s", exc)
-    with _RUNS_LOCK:  # runs whose plugins were dropped without a teardown
-        left = list(_RUNS.values())
-        _RUNS.clear()
-    for run in left:
-        try:
-            with run.lock:
-                run.ckpt.close()
-        except BaseException as exc:
-            log.error("tpde: closing %s at exit failed: %s", run.ckpt.run, exc)
 
 
 # Before the interpreter stops its thread pools (which the background saves encode on), not
