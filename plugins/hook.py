@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from tpde.api import Checkpointer, StepInfo
-from tpde.errors import StepExistsError
+from tpde.errors import StepExistsError, UnsupportedError
 
 
 class AttachHandle:
@@ -63,6 +63,17 @@ def attach(model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: str, *
             "to a new run", run=ckpt.chain.url)
     if resume and latest is not None:
         state = ckpt.load(map_location=next(model.parameters()).device)
+        missing = [k for k in ("model", "optimizer", "step")
+                   if not isinstance(state, dict) or k not in state]
+        if missing:
+            if checkpointer is None:
+                ckpt.close()
+            found = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise UnsupportedError(
+                f"tpde.attach(resume=True) needs the step's {' and '.join(map(repr, missing))}, "
+                f"and it holds only {found}: it was not saved by tpde.attach. Load it with "
+                "Checkpointer.load, then attach with step= the step after it",
+                run=ckpt.chain.url, step=latest)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = int(state["step"])

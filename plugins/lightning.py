@@ -83,21 +83,28 @@ def _split(path: str) -> tuple[str, str]:
     return head, name
 
 
-#: Where ``Trainer`` lives; looked up when a save is made, since a ``Trainer`` that is
-#: saving has been imported (importing it here would import the whole trainer).
-_TRAINER_MODULES = ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer")
-#: How far up the stack ``Trainer.save_checkpoint`` is looked for (it calls the strategy's,
-#: which calls the plugin's).
+#: The calls a save or a removal comes through while a ``Trainer`` runs, by module:
+#: ``Trainer.save_checkpoint`` (its ``self`` is the trainer) and ``Strategy.remove_checkpoint``
+#: (its ``self`` is the trainer's strategy). Looked up when a save is made: a ``Trainer`` that
+#: is saving has been imported (importing it here would import the whole trainer).
+_CALLERS = (("lightning.pytorch.trainer.trainer", "Trainer", "save_checkpoint"),
+            ("pytorch_lightning.trainer.trainer", "Trainer", "save_checkpoint"),
+            ("lightning.pytorch.strategies.strategy", "Strategy", "remove_checkpoint"),
+            ("pytorch_lightning.strategies.strategy", "Strategy", "remove_checkpoint"))
+#: How far up the stack those calls are looked for (wrapping plugins add a frame each).
 _STACK_DEPTH = 6
 
 
 def _fitting() -> bool:
     """Whether this thread is inside a ``Trainer`` that is fitting. Only then does training
-    go on beside a save; anywhere else (before or after ``fit``, in ``validate``, Fabric, a
-    wrapping plugin's thread) a save is written before it returns, so none is left in flight
-    when the caller goes on, reads the file or exits."""
-    trainers = [sys.modules[name].Trainer for name in _TRAINER_MODULES if name in sys.modules]
-    codes = {trainer.save_checkpoint.__code__: trainer for trainer in trainers}
+    go on beside a save or a removal; anywhere else (before or after ``fit``, in
+    ``validate``, Fabric, a wrapping plugin's thread) they are done before they return, so
+    none is left in flight when the caller goes on, reads the file or exits."""
+    codes: dict[Any, type] = {}
+    for module, cls, method in _CALLERS:
+        if module in sys.modules:
+            kind = getattr(sys.modules[module], cls)
+            codes[getattr(kind, method).__code__] = kind
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         frame = frame.f_back
@@ -105,8 +112,12 @@ def _fitting() -> bool:
             return False
         if frame.f_code in codes:  # only this frame's locals are read: reading a frame's
             owner = frame.f_locals.get("self")  # locals keeps them alive as long as it lives
-            if isinstance(owner, codes[frame.f_code]):
-                return owner.state.fn == "fit" and owner.state.status == "running"
+            if not isinstance(owner, codes[frame.f_code]):
+                return False
+            trainer = (owner if codes[frame.f_code].__name__ == "Trainer"
+                       else getattr(owner.lightning_module, "_trainer", None))
+            state = getattr(trainer, "state", None)
+            return state is not None and state.fn == "fit" and state.status == "running"
     return False
 
 
@@ -229,21 +240,28 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                     self._write(snap, path, options, meta, stall, asked)
                     done = True
             finally:
-                if pending is not None:
-                    if not done:
+                if background:
+                    if pending is not None and not done:
                         self._withdraw(path, options, pending)
                     entries.PENDING.end(path)
                 self._room.release()
 
         self._run(job, f"save of {path}", background)
 
-    def _announce(self, path: str, options: dict[str, Any]) -> entries.PendingEntry:
-        """Write the pending entry at ``path``, keeping the committed entry it replaces."""
+    def _announce(self, path: str, options: dict[str, Any]) -> entries.PendingEntry | None:
+        """Write the pending entry at ``path``, keeping the committed entry it replaces. A
+        plain checkpoint there (a run that switched to tpde) stays until the step commits:
+        None. Either way readers in this process wait for the save (``entries.PENDING``)."""
         folder, name = _split(path)
         try:
-            previous = entries.read(path, options, wait=False)
+            found = entries.read_any(path, options)
         except (FileNotFoundError, NotADirectoryError, TPDEError):  # nothing committed there
-            previous = None
+            found = previous = None
+        else:
+            if found is None:
+                entries.PENDING.begin(path)
+                return None
+            previous = found.previous if isinstance(found, entries.PendingEntry) else found
         url = self._chain_url(folder)
         pending = entries.PendingEntry(run=self.chain_dir, run_url=url,
                                        writer=entries.this_writer(), token=uuid.uuid4().hex,
@@ -325,7 +343,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         except TPDEError:  # damaged: Lightning removes it; orphans are found by listing
             found = None
         fs.rm_file(p)
-        if found is None and path not in entries.PENDING:
+        if found is None:
             return  # a plain checkpoint from before the run switched to tpde
         folder, name = _split(path)
         url = self._chain_url(folder)

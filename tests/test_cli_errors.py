@@ -157,3 +157,34 @@ def test_lightning_checkpoint_files_are_listed_and_taken_as_steps(tmp_path) -> N
     assert torch.load(out, weights_only=True)["global_step"] == 15
     missing = tpde_cli("info", str(folder), "--step", "epoch=0.ckpt")
     assert missing.returncode == 1 and "epoch=1.ckpt, epoch=2.ckpt" in missing.stderr
+
+
+@pytest.mark.parametrize("command", ["ls", "info"])
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path, command) -> None:
+    url = str(tmp_path / "long")
+    with tpde.Checkpointer(url) as ck:
+        for step in range(30):  # 30 steps for ls, 40 tensors above the pack size for info
+            ck.save(step, {f"t{i}": torch.full((2048,), float(step + i)) for i in range(40)})
+    shell = (f"{sys.executable} -m tpde.cli {command} {url} | head -3; "
+             'echo "status=${PIPESTATUS[0]}" >&2')
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    assert "status=0" in done.stderr and len(done.stdout.splitlines()) == 3
+
+
+def test_verify_of_a_step_that_does_not_exist_says_so(run) -> None:
+    done = tpde_cli("verify", run, "--step", "7")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "no step 7 in this run" in done.stderr and "damaged" not in done.stderr
+    assert "tpde ls" in done.stderr
+
+
+def test_load_with_a_step_that_is_not_a_number_is_refused(run) -> None:
+    with pytest.raises(TypeError, match=r"step must be an int, not '10' \(str\)"):
+        tpde.Checkpointer(run).load("10")
+
+
+def test_tpde_dcp_is_there_after_import_tpde() -> None:
+    done = subprocess.run([sys.executable, "-c", "import tpde; print(tpde.dcp.load_full)"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "function load_full" in done.stdout, done.stderr

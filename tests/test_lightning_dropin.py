@@ -150,20 +150,70 @@ def test_a_save_during_fit_is_there_at_once_and_read_in_this_process_when_done(
     class SaveMidway(L.Callback):
         def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             path = str(tmp_path / "mid" / f"e{trainer.current_epoch}.ckpt")
-            trainer.save_checkpoint(path)
-            # still being encoded (64 MB): the path holds the pending entry
-            assert isinstance(entries.read_any(path), entries.PendingEntry)
+            # The writer's lock, held here, keeps the background save from committing.
+            with plugin._run_for(str(tmp_path / "mid" / ".tpde")).lock:
+                trainer.save_checkpoint(path)
+                assert isinstance(entries.read_any(path), entries.PendingEntry)
             seen.append(tpde.load_checkpoint(path)["global_step"])  # waits for the save
             assert isinstance(entries.read_any(path), entries.CheckpointEntry)
 
     model, train, val = model_and_data()
-    model.register_buffer("big", torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)))
     plugin = tpde.TPDECheckpointIO()
     trainer = trainer_for(tmp_path, plugin, epochs=2, callbacks=[SaveMidway()])
     trainer.fit(model, train, val)
     assert seen == [2, 4]
     assert [r.path.rsplit("/", 1)[-1] for r in plugin.reports if "mid" in r.path] == \
         ["e0.ckpt", "e1.ckpt"]
+
+
+def test_a_removal_during_fit_waits_for_no_save(tmp_path) -> None:
+    """ModelCheckpoint removes the old best right after saving the new one: the file goes at
+    once, and the step's bytes are freed after the save, in the background."""
+    order: list[str] = []
+
+    class SaveThenRemove(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            old, new = (str(tmp_path / f"e{trainer.current_epoch - k}.ckpt") for k in (1, 0))
+            before = entries.read(old).step if trainer.current_epoch else None  # committed
+            # The writer's lock, held here, keeps the save from committing, and the removal's
+            # freeing queued behind it.
+            with plugin._run_for(str(tmp_path / ".tpde")).lock:
+                trainer.save_checkpoint(new)
+                if before is not None:
+                    trainer.strategy.remove_checkpoint(old)
+                    assert not os.path.exists(old)  # the file goes at once
+                    assert before in Chain(str(tmp_path / ".tpde")).steps()  # the step later
+                order.append(type(entries.read_any(new)).__name__)
+
+    model, train, val = model_and_data()
+    plugin = tpde.TPDECheckpointIO()
+    trainer_for(tmp_path, plugin, epochs=2, callbacks=[SaveThenRemove()]).fit(model, train, val)
+    assert order == ["PendingEntry", "PendingEntry"]
+    chain = Chain(str(tmp_path / ".tpde"))
+    assert chain.steps() == [entries.read(str(tmp_path / "e1.ckpt")).step]
+    assert not chain.at_rest().hidden
+
+
+def test_a_plain_checkpoint_at_the_path_stays_until_the_save_commits(tmp_path) -> None:
+    """A run that switches to tpde midway saves over plain files: a save that fails leaves
+    the plain file as it was."""
+    plain = {"state_dict": {"w": torch.arange(6.0)}, "global_step": 7}
+    folder = tmp_path / "switched"
+    folder.mkdir()
+    torch.save(plain, folder / "last.ckpt")
+    (folder / ".tpde").write_bytes(b"a file where the chain would go: the save fails")
+
+    class SaveOverIt(L.Callback):
+        def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            trainer.save_checkpoint(str(folder / "last.ckpt"))
+            assert torch.load(folder / "last.ckpt")["global_step"] == 7  # still the plain one
+
+    model, train, val = model_and_data()
+    trainer = trainer_for(tmp_path, tpde.TPDECheckpointIO(), callbacks=[SaveOverIt()],
+                          enable_checkpointing=False)
+    with pytest.raises(tpde.StoreError):
+        trainer.fit(model, train, val)
+    assert_same(torch.load(folder / "last.ckpt"), plain)
 
 
 def test_the_plugin_pickles_with_every_setting_and_saves_after(tmp_path) -> None:

@@ -108,3 +108,16 @@ def test_attach_resume_continues_the_chain_with_a_delta(tmp_path) -> None:
         opt2.step()
     assert resumed.saved[-1].step == 12 and not resumed.saved[-1].keyframe
     assert resumed.checkpointer.chain.manifest(12).parent == 8
+
+
+def test_attach_resume_on_a_run_saved_without_an_optimizer_says_what_is_missing(tmp_path) -> None:
+    run = str(tmp_path / "weights-only")
+    model = torch.nn.Linear(4, 4)
+    with tpde.Checkpointer(run) as ck:
+        ck.save(1, {"model": model.state_dict(), "step": 1})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tpde.UnsupportedError, match=r"needs the step's 'optimizer'.*"
+                                                    r"holds only \['model', 'step'\]"):
+        tpde.attach(model, opt, run, every_n_steps=1, resume=True)
+    with tpde.Checkpointer(run) as ck:  # the refused attach left no writer behind
+        ck.save(2, {"model": model.state_dict(), "step": 2})

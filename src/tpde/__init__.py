@@ -63,4 +63,8 @@ def __getattr__(name: str) -> Any:
         from tpde.plugins import lightning_sharded
 
         return getattr(lightning_sharded, name)
+    if name == "dcp":  # torch.distributed.checkpoint's storage layer, imported when asked for
+        import importlib
+
+        return importlib.import_module("tpde.dcp")
     raise AttributeError(f"module 'tpde' has no attribute {name!r}")

@@ -265,6 +265,9 @@ class Checkpointer:
         """
         if step is None:
             step = self.chain.latest()
+        elif type(step) is not int:
+            raise TypeError(f"Checkpointer.load: step must be an int, not {step!r} "
+                            f"({type(step).__name__}); the run's steps: {self.steps()}")
         state, _ = self.chain.load(step, map_location=map_location, trusted=trusted,
                                    keep_words=False)
         # The state's tensors are the restored words themselves, not a copy beside a kept one:

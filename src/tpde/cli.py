@@ -23,7 +23,7 @@ from . import entry as entries
 from .api import Checkpointer, Snapshot
 from .against import distances
 from .chain import KEYFRAME, Chain, lossy_summary, span_words
-from .errors import LossyWarning, TPDEError
+from .errors import LossyWarning, StepNotFoundError, TPDEError
 from .lease import Lease
 from .keys import weights_key
 
@@ -257,6 +257,10 @@ def cmd_verify(chain: Chain, args: argparse.Namespace) -> int:
     chain.require_run()
     if args.against is not None:
         return _verify_against(chain, args)
+    if args.step is not None and args.step not in chain.steps():
+        raise StepNotFoundError(f"no step {args.step} in this run (it was never saved, or was "
+                                f"removed); `tpde ls {args.run}` lists the steps",
+                                run=chain.url, step=args.step)
     steps = [args.step] if args.step is not None else chain.steps()
     total = 0
     for s in steps:
@@ -457,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         chain, args.entries = _resolve(args, args.options)
         return COMMANDS[args.command](chain, args)
+    except BrokenPipeError:
+        # The reader stopped early (`tpde ls RUN | head`): what it read is all it wanted. The
+        # rest of the output goes nowhere, so that the exit's flush raises nothing either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except TPDEError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
