@@ -1,10 +1,12 @@
 """``TPDECheckpointIO``: Lightning's checkpoint I/O, writing into a tpde chain beside the files.
 
-Every checkpoint path gets a small entry (see ``tpde.entry``) written after its step has
-committed to the chain in ``<dirpath>/.tpde``, so ``ModelCheckpoint`` keeps doing what it does
-with files: existence checks, ``last*.ckpt`` listing, modification times, top-k removal.
-Saves are asynchronous: the training thread only snapshots the state; one background worker
-encodes, uploads and commits saves and removals in the order they were asked for.
+Every checkpoint path gets a small entry (see ``tpde.entry``) in place of the checkpoint file,
+and the chain it names lives in ``<dirpath>/.tpde``, so ``ModelCheckpoint`` keeps doing what
+it does with files: existence checks, ``last*.ckpt`` listing, modification times, top-k
+removal. While a ``Trainer`` is fitting, a save snapshots the state and writes a pending entry
+at once; the plugin's background worker (``tpde.plugins.worker``) encodes, uploads and
+commits saves and removals in the order they were asked for, and makes each entry final.
+Plugins of one process share one writer per folder (``tpde.plugins.writers``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,10 +29,12 @@ from tpde import entry as entries
 from tpde import frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
                       check_deltas_against, check_reference, check_settings, snapshot)
-from tpde.chain import PREVIOUS, GcReport
+from tpde.chain import PREVIOUS
 from tpde.errors import TPDEError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.quant import Bound, Bounds
+from tpde.plugins import writers
+from tpde.plugins.worker import Job, Worker
 from tpde.store import Store
 
 log = logging.getLogger("tpde.lightning")
@@ -185,20 +188,16 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._start()
 
     def _start(self) -> None:
-        self._used: set[str] = set()  # the shared runs (``_RUNS``) this plugin writes
+        self._used: set[str] = set()  # the runs (``writers``) this plugin writes
         # Each run's visible steps (raw bytes, count) as last counted, kept up by its saves:
         # counting lists the run's steps, which made each save's log line O(steps).
         self._kept: dict[str, tuple[int, int]] = {}
         self._room = threading.Semaphore(self.max_pending + 1)
-        self._lock = threading.Lock()
-        self._jobs: deque[Callable[[bool], None]] = deque()
-        self._worker: threading.Thread | None = None
-        self._threads: list[threading.Thread] = []  # the worker, and ones that are ending
-        self._error: BaseException | None = None
+        self._worker = Worker("tpde-lightning")
         self._seen: entries.Seen = {}
         # A plugin dropped without a teardown no longer keeps its runs (and their reference
         # words) in memory; its lease lapses as a dead writer's does.
-        weakref.finalize(self, _forget, self._used)
+        weakref.finalize(self, writers.forget, self._used)
         self._asked = 0  # saves and removals asked for, in order
         self._removed: dict[str, int] = {}  # path -> when it was last removed (of _asked)
         _LIVE.add(self)
@@ -212,7 +211,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         The path exists when this returns, as a plain checkpoint file would: Lightning's
         callbacks look for it at once. Readers in this process wait for the save; readers
         elsewhere read what the path held before (``entry.PendingEntry``)."""
-        self._raise_deferred()
+        self._worker.raise_deferred()
         path = str(path)
         options = {**self.storage_options, **(storage_options or {})}
         started = time.perf_counter()
@@ -321,7 +320,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the file at ``path`` now, as Lightning's own plugin does; what its step
         holds in the chain is freed in the background, after the saves queued before."""
-        self._raise_deferred()
+        self._worker.raise_deferred()
         path = str(path)
         self._asked += 1
         self._removed[entries.normalize(path)] = self._asked
@@ -365,22 +364,13 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             self.wait()
         finally:
             for url in sorted(self._used):
-                self.freed_bytes += _release(url, self).freed_bytes
+                self.freed_bytes += writers.release(url, self).freed_bytes
             self._used.clear()
 
     # ------------------------------------------------------------------ extras
     def wait(self) -> None:
         """Block until queued saves and removals are done; raise the first that failed."""
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                thread = next((t for t in self._threads if t is not me), None)
-            if thread is None:
-                break
-            thread.join()
-            with self._lock:
-                self._threads.remove(thread)
-        self._raise_deferred()
+        self._worker.wait()
 
     @property
     def stored_bytes(self) -> int:
@@ -390,9 +380,9 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def _chain_url(self, folder: str) -> str:
         return f"{folder}/{self.chain_dir}"
 
-    def _run_for(self, url: str) -> "_Run":
+    def _run_for(self, url: str) -> "writers.Run":
         self._used.add(url)
-        return _acquire(url, self)
+        return writers.acquire(url, self, self.storage_options, self.options)
 
     def _checkpointer(self, url: str) -> Checkpointer:
         return self._run_for(url).ckpt
@@ -471,46 +461,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  "format's bytes: freed when needed)")
         self._log_at_rest(ckpt, ckpt.chain.at_rest().total)
 
-    def _run(self, job: Callable[[bool], None], what: str, background: bool) -> None:
-        """Queue ``job`` for the worker, which ends once the queue is empty (no thread
-        outlives the work), or run it now."""
-        if not background:
+    def _run(self, job: Job, what: str, background: bool) -> None:
+        """Queue ``job`` for the worker, or run it now."""
+        if background:
+            self._worker.submit(job, what)
+        else:
             job(True)
-            return
-
-        def tagged(run: bool) -> None:
-            try:
-                job(run)
-            except BaseException as exc:
-                exc.add_note(f"tpde: raised by the background {what}")
-                raise
-
-        with self._lock:
-            self._jobs.append(tagged)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work, name="tpde-lightning",
-                                                daemon=True)
-                self._threads.append(self._worker)
-                self._worker.start()
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    self._worker = None
-                    return
-                job = self._jobs.popleft()
-            try:
-                job(self._error is None)  # after a failure nothing queued behind it runs
-            except BaseException as exc:
-                if self._error is None:
-                    self._error = exc
-            del job  # the job holds the state's snapshot
-
-    def _raise_deferred(self) -> None:
-        if self._error is not None:
-            exc, self._error = self._error, None
-            raise exc
 
     def __getstate__(self) -> dict[str, Any]:
         """Every setting (for spawned processes); queue, worker and open chains start afresh."""
@@ -520,58 +476,6 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._start()
-
-
-@dataclass
-class _Run:
-    """One chain's writer, shared by the plugins of this process that write it: a second
-    ``Trainer`` resuming where the first saved continues its chain under the same lease."""
-
-    ckpt: Checkpointer
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    users: "weakref.WeakSet[TPDECheckpointIO]" = field(default_factory=weakref.WeakSet)
-    next: int | None = None  # the step the next save gets
-
-
-_RUNS: dict[str, _Run] = {}
-_RUNS_LOCK = threading.Lock()
-
-
-def _acquire(url: str, plugin: TPDECheckpointIO) -> _Run:
-    key = entries.normalize(url)
-    with _RUNS_LOCK:
-        run = _RUNS.get(key)
-        if run is None:
-            run = _RUNS[key] = _Run(Checkpointer(url, storage_options=plugin.storage_options,
-                                                 **plugin.options))
-        run.users.add(plugin)
-        return run
-
-
-def _forget(urls: set[str]) -> None:
-    """Drop the runs at ``urls`` that no live plugin uses (no I/O: this runs at collection)."""
-    with _RUNS_LOCK:
-        for url in urls:
-            key = entries.normalize(url)
-            run = _RUNS.get(key)
-            if run is not None and not list(run.users):
-                del _RUNS[key]
-
-
-def _release(url: str, plugin: TPDECheckpointIO) -> GcReport:
-    """``plugin`` is done with ``url``'s run; the last one closes it (frees what removed
-    steps hold, drops the reference words, gives up the lease)."""
-    key = entries.normalize(url)
-    with _RUNS_LOCK:
-        run = _RUNS.get(key)
-        if run is None:
-            return GcReport()
-        run.users.discard(plugin)
-        if run.users:
-            return GcReport()
-        del _RUNS[key]
-    with run.lock:
-        return run.ckpt.close()
 
 
 for _other in _BASES[1:]:

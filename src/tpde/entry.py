@@ -88,8 +88,8 @@ class _Call:
 
 
 class _Awaited:
-    """Pickles as ``tpde.load_checkpoint(path)`` of a pending entry's chain: it names no step,
-    so loading it says that the save is not committed yet."""
+    """Pickles as ``tpde.load_checkpoint(run_url, PENDING_STEP, token)``: it names no step, so
+    loading it says that the save has not committed yet."""
 
     def __init__(self, entry: PendingEntry) -> None:
         self.args = (entry.run_url, PENDING_STEP, entry.token)
@@ -195,10 +195,6 @@ class Pending:
         with self._lock:
             key = normalize(path)
             self._lock.wait_for(lambda: key not in self._count)
-
-    def __contains__(self, path: str) -> bool:
-        with self._lock:
-            return normalize(path) in self._count
 
 
 PENDING = Pending()

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 
 JOURNAL = "journal.log"  # beside the checkpoints; not a .ckpt, so Lightning ignores it
+COUNT = "operations.txt"  # a finished child's count of store operations
 
 
 def fit(folder: str, epochs: int, *, top_k: int, ckpt_path: str | None = None
@@ -89,6 +90,8 @@ def child(folder: str, kill_at: int) -> None:
     last = os.path.join(folder, "last.ckpt")
     fit(folder, 3, top_k=1, ckpt_path=last)
     print(f"operations={count[0]}")
+    with open(os.path.join(folder, COUNT), "w") as f:
+        f.write(str(count[0]))
 
 
 @dataclass
@@ -177,14 +180,21 @@ def check(folder: str, before: dict[str, int], reference: Reference) -> None:
     assert not unreferenced, f"gc left unreferenced blobs: {unreferenced}"
 
 
-def _run_child(folder: str, kill_at: int) -> subprocess.CompletedProcess:
+def _run_child(folder: str, kill_at: int) -> bool:
+    """Run the child; whether it was killed. The run's last operations are what its
+    teardown frees, and how much that is depends on how far training had gone when the
+    worker looked at the entries: a kill point past a run's end is that run finishing."""
     done = subprocess.run([sys.executable, __file__, "--child", folder, str(kill_at)],
                           capture_output=True, text=True, timeout=600)
-    expected = -9 if kill_at else 0  # a kill point the run never reached is a failure
+    if done.returncode == 0 and kill_at:
+        ran = int(done.stdout.rsplit("operations=", 1)[1].split()[0])
+        assert ran < kill_at, f"kill point {kill_at} reached in {ran} operations, no kill"
+        return False
+    expected = -9 if kill_at else 0
     assert done.returncode == expected, (
         f"kill point {kill_at}: exit status {done.returncode}, expected {expected}\n"
         + done.stderr[-3000:])
-    return done
+    return bool(kill_at)
 
 
 def campaign(root: str, *, points: int = 60) -> dict[str, int]:
@@ -202,18 +212,22 @@ def campaign(root: str, *, points: int = 60) -> dict[str, int]:
         reference.paths[step], reference.states[step] = os.path.join(full, name), state
     dry = os.path.join(root, "count")
     shutil.copytree(template, dry)
-    total = int(_run_child(dry, 0).stdout.rsplit("operations=", 1)[1].split()[0])
+    _run_child(dry, 0)
+    with open(os.path.join(dry, COUNT)) as f:
+        total = int(f.read())
     step = max(1, (total - 1) / max(1, points - 1))
     kill_points = sorted({min(total, 1 + round(i * step)) for i in range(points)})
-    inside = 0
+    inside = kills = 0
     for kill_at in kill_points:
         folder = os.path.join(root, f"kill-{kill_at}")
         shutil.copytree(template, folder)
-        _run_child(folder, kill_at)
-        inside += in_flight(folder)
+        if _run_child(folder, kill_at):
+            kills += 1
+            inside += in_flight(folder)
         check(folder, before, reference)
         shutil.rmtree(folder)
-    return {"kills": len(kill_points), "operations": total, "inside_a_save": inside}
+    return {"kills": kills, "points": len(kill_points), "operations": total,
+            "inside_a_save": inside}
 
 
 def main() -> None:
@@ -229,7 +243,8 @@ def main() -> None:
         stats = campaign(root, points=args.points)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{stats['kills']} SIGKILLs among the {stats['operations']} store operations of a "
+    print(f"{stats['kills']} SIGKILLs ({stats['points']} kill points) among the "
+          f"{stats['operations']} store operations of a "
           f"resumed Lightning run with TPDECheckpointIO, {stats['inside_a_save']} of them inside "
           "a save: every committed checkpoint survived bit-exactly and verified, and the run "
           "resumed from last at its step and matched a run that was never killed")

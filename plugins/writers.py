@@ -1,0 +1,70 @@
+"""One chain writer per folder and process, shared by the Lightning plugins that write it.
+
+A second ``Trainer`` in the same process that resumes where the first one saved continues the
+same chain under the same writer lease, instead of meeting its own process's lease. The last
+plugin to let go closes the writer: it frees what removed steps hold, drops the reference
+words, and gives up the lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpde import entry as entries
+from tpde.api import Checkpointer
+from tpde.chain import GcReport
+
+
+@dataclass
+class Run:
+    """One chain's writer, its lock (a save, a removal or a resume at a time) and its users."""
+
+    ckpt: Checkpointer
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    users: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    next: int | None = None  # the step the next save gets
+
+
+_RUNS: dict[str, Run] = {}
+_LOCK = threading.Lock()
+
+
+def acquire(url: str, user: Any, storage_options: dict[str, Any],
+            options: dict[str, Any]) -> Run:
+    """The writer of ``url``, made with ``options`` by its first user."""
+    key = entries.normalize(url)
+    with _LOCK:
+        run = _RUNS.get(key)
+        if run is None:
+            run = _RUNS[key] = Run(Checkpointer(url, storage_options=storage_options,
+                                                **options))
+        run.users.add(user)
+        return run
+
+
+def forget(urls: set[str]) -> None:
+    """Drop the runs at ``urls`` that no live user holds (no I/O: this runs at collection)."""
+    with _LOCK:
+        for url in urls:
+            key = entries.normalize(url)
+            run = _RUNS.get(key)
+            if run is not None and not list(run.users):
+                del _RUNS[key]
+
+
+def release(url: str, user: Any) -> GcReport:
+    """``user`` is done with ``url``'s run; the last one closes it."""
+    key = entries.normalize(url)
+    with _LOCK:
+        run = _RUNS.get(key)
+        if run is None:
+            return GcReport()
+        run.users.discard(user)
+        if run.users:
+            return GcReport()
+        del _RUNS[key]
+    with run.lock:
+        return run.ckpt.close()
