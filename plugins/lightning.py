@@ -103,21 +103,24 @@ def _fitting() -> bool:
     go on beside a save or a removal; anywhere else (before or after ``fit``, in
     ``validate``, Fabric, a wrapping plugin's thread) they are done before they return, so
     none is left in flight when the caller goes on, reads the file or exits."""
-    codes: dict[Any, type] = {}
+    # Code objects compare by value: ``lightning.pytorch``'s and ``pytorch_lightning``'s copies
+    # of one method are equal keys, so each key keeps every class it came from.
+    codes: dict[Any, list[type]] = {}
     for module, cls, method in _CALLERS:
         if module in sys.modules:
             kind = getattr(sys.modules[module], cls)
-            codes[getattr(kind, method).__code__] = kind
+            codes.setdefault(getattr(kind, method).__code__, []).append(kind)
     frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         frame = frame.f_back
         if frame is None:
             return False
-        if frame.f_code in codes:  # only this frame's locals are read: reading a frame's
-            owner = frame.f_locals.get("self")  # locals keeps them alive as long as it lives
-            if not isinstance(owner, codes[frame.f_code]):
+        kinds = codes.get(frame.f_code)
+        if kinds:  # only this frame's locals are read: reading a frame's locals keeps them
+            owner = frame.f_locals.get("self")  # alive as long as the frame lives
+            if not isinstance(owner, tuple(kinds)):
                 return False
-            trainer = (owner if codes[frame.f_code].__name__ == "Trainer"
+            trainer = (owner if kinds[0].__name__ == "Trainer"
                        else getattr(owner.lightning_module, "_trainer", None))
             state = getattr(trainer, "state", None)
             return state is not None and state.fn == "fit" and state.status == "running"
