@@ -12,10 +12,8 @@ Plugins of one process share one writer per folder (``tpde.plugins.writers``).
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
-import importlib
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -26,31 +24,24 @@ from typing import Any
 import torch
 
 from tpde import entry as entries
-from tpde import frames
+from tpde import frame_threads, frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
                       check_deltas_against, check_reference, check_settings, snapshot)
 from tpde.chain import PREVIOUS
 from tpde.errors import TPDEError
 from tpde.lease import DEFAULT_LEASE_SECONDS
 from tpde.quant import Bound, Bounds
-from tpde.plugins import writers
+from tpde.plugins import trainer_state, writers
 from tpde.plugins.worker import Job, Worker
 from tpde.store import Store
 
 log = logging.getLogger("tpde.lightning")
 
 
-def _import_all(names: tuple[str, ...], attr: str) -> list[Any]:
-    found = []
-    for name in names:
-        try:
-            found.append(getattr(importlib.import_module(name), attr))
-        except ImportError:
-            pass
-    return found
-
-
-_BASES = _import_all(("lightning.fabric.plugins", "lightning_fabric.plugins"), "CheckpointIO")
+#: The stock plugin of each Lightning installed: ``lightning`` and ``pytorch_lightning`` each
+#: carry a copy. The first is the base class, the others have it registered.
+_BASES = trainer_state.import_all(("lightning.fabric.plugins", "lightning_fabric.plugins"),
+                     "TorchCheckpointIO")
 if not _BASES:
     raise ImportError("TPDECheckpointIO needs Lightning: pip install 'tpde[lightning]'")
 
@@ -86,62 +77,16 @@ def _split(path: str) -> tuple[str, str]:
     return head, name
 
 
-#: The calls a save or a removal comes through while a ``Trainer`` runs, by module:
-#: ``Trainer.save_checkpoint`` (its ``self`` is the trainer) and ``Strategy.remove_checkpoint``
-#: (its ``self`` is the trainer's strategy). Looked up when a save is made: a ``Trainer`` that
-#: is saving has been imported (importing it here would import the whole trainer).
-_CALLERS = (("lightning.pytorch.trainer.trainer", "Trainer", "save_checkpoint"),
-            ("pytorch_lightning.trainer.trainer", "Trainer", "save_checkpoint"),
-            ("lightning.pytorch.strategies.strategy", "Strategy", "remove_checkpoint"),
-            ("pytorch_lightning.strategies.strategy", "Strategy", "remove_checkpoint"))
-#: How far up the stack those calls are looked for (wrapping plugins add a frame each).
-_STACK_DEPTH = 6
-
-
-def _fitting() -> bool:
-    """Whether this thread is inside a ``Trainer`` that is fitting. Only then does training
-    go on beside a save or a removal; anywhere else (before or after ``fit``, in
-    ``validate``, Fabric, a wrapping plugin's thread) they are done before they return, so
-    none is left in flight when the caller goes on, reads the file or exits."""
-    # Code objects compare by value: ``lightning.pytorch``'s and ``pytorch_lightning``'s copies
-    # of one method are equal keys, so each key keeps every class it came from.
-    codes: dict[Any, list[type]] = {}
-    for module, cls, method in _CALLERS:
-        if module in sys.modules:
-            kind = getattr(sys.modules[module], cls)
-            codes.setdefault(getattr(kind, method).__code__, []).append(kind)
-    frame = sys._getframe(1)
-    for _ in range(_STACK_DEPTH):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        kinds = codes.get(frame.f_code)
-        if kinds:  # only this frame's locals are read: reading a frame's locals keeps them
-            owner = frame.f_locals.get("self")  # alive as long as the frame lives
-            if not isinstance(owner, tuple(kinds)):
-                return False
-            trainer = (owner if kinds[0].__name__ == "Trainer"
-                       else getattr(owner.lightning_module, "_trainer", None))
-            state = getattr(trainer, "state", None)
-            return state is not None and state.fn == "fit" and state.status == "running"
-    return False
-
-
-def _rank() -> int:
-    for rank_zero in _import_all(("lightning.fabric.utilities.rank_zero",
-                                  "lightning_fabric.utilities.rank_zero"), "rank_zero_only"):
-        rank = getattr(rank_zero, "rank", None)
-        if rank is not None:
-            return int(rank)
-    return 0
-
-
 class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     """Lightning ``CheckpointIO`` storing checkpoints as a tpde chain; a drop-in for the default.
 
     ``Trainer(plugins=[TPDECheckpointIO()])`` and nothing else changes: ``ModelCheckpoint``
     (top-k, ``save_last`` including ``"link"``), ``trainer.save_checkpoint`` and
     ``fit(ckpt_path="last" | "best" | path)`` work locally and on any fsspec store.
+
+    It is a ``TorchCheckpointIO``, as code that checks for the default expects: it loads every
+    file the stock plugin writes, and each entry it writes is a ``torch.save`` archive. It
+    overrides all three of its methods; nothing is written through the stock one.
 
     ``async_save`` (default): ``save_checkpoint`` returns once the state is copied
     (``device="cpu"``: to host memory; ``"cuda"``: on the GPU, encoded there); at most
@@ -216,12 +161,16 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         elsewhere read what the path held before (``entry.PendingEntry``)."""
         self._worker.raise_deferred()
         path = str(path)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options of save_checkpoint({path!r}) are fsspec options, "
+                            f"a dict (got {type(storage_options).__name__}); or leave them "
+                            "out to use the plugin's own")
         options = {**self.storage_options, **(storage_options or {})}
         started = time.perf_counter()
         self._room.acquire()
         try:
             # A synchronous save reads the checkpoint before training goes on: no copy needed.
-            background = self.async_save and _fitting()
+            background = self.async_save and trainer_state.fitting()
             snap = snapshot(checkpoint, device=self.device) if background else checkpoint
             if self.bounds is not None and isinstance(snap, Snapshot):
                 # A pattern that matches nothing fails on the training thread, not later.
@@ -255,15 +204,10 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         plain checkpoint there (a run that switched to tpde) stays until the step commits:
         None. Either way readers in this process wait for the save (``entries.PENDING``)."""
         folder, name = _split(path)
-        try:
-            found = entries.read_any(path, options)
-        except (FileNotFoundError, NotADirectoryError, TPDEError):  # nothing committed there
-            found = previous = None
-        else:
-            if found is None:
-                entries.PENDING.begin(path)
-                return None
-            previous = found.previous if isinstance(found, entries.PendingEntry) else found
+        previous, plain = entries.replaced(path, options)
+        if plain:
+            entries.PENDING.begin(path)
+            return None
         url = self._chain_url(folder)
         pending = entries.PendingEntry(run=self.chain_dir, run_url=url,
                                        writer=entries.this_writer(), token=uuid.uuid4().hex,
@@ -311,7 +255,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         location = map_location if isinstance(map_location, (str, dict, torch.device)) else "cpu"
         trusted = weights_only is False
         here = self._chain_url(_split(path)[0])
-        if _rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
+        if trainer_state.rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
             # The writer resumes here: its next save is a delta against this step.
             run = self._run_for(here)
             with run.lock:
@@ -357,18 +301,21 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                     if run_.ckpt.chain.is_run():
                         self._collect(run_.ckpt, folder, name)
 
-        self._run(job, f"removal of {path}", self.async_save and _fitting())
+        self._run(job, f"removal of {path}", self.async_save and trainer_state.fitting())
 
     def teardown(self) -> None:
         """Wait for every queued save and removal, raise a deferred error, free what removed
         checkpoints still hold, and give up the lease: a finished ``Trainer`` leaves no
-        thread, no copy of its state and no writer behind. The plugin stays usable."""
+        thread, no copy of its state and no writer behind. tpde's coding threads end too,
+        whoever started them: the next save, restore or mount starts them again. The plugin
+        stays usable."""
         try:
             self.wait()
         finally:
             for url in sorted(self._used):
                 self.freed_bytes += writers.release(url, self).freed_bytes
             self._used.clear()
+            frame_threads.stop()
 
     # ------------------------------------------------------------------ extras
     def wait(self) -> None:
@@ -415,12 +362,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         data = entries.to_bytes(entries.CheckpointEntry(
             run=self.chain_dir, run_url=ckpt.chain.url, step=step, blob=blob,
             raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
-        try:
-            replaced = entries.read_any(path, options)
-        except (FileNotFoundError, TPDEError):
-            replaced = None
-        if isinstance(replaced, entries.PendingEntry):
-            replaced = replaced.previous
+        replaced, _ = entries.replaced(path, options)
         Store(folder, options).put_atomic(name, data)
         report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
                             stall_ms, time.perf_counter() - started, info.codecs)
@@ -482,7 +424,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
 
 
 for _other in _BASES[1:]:
-    _other.register(TPDECheckpointIO)
+    _other.register(TPDECheckpointIO)  # type: ignore[attr-defined]
 
 _LIVE: "weakref.WeakSet[TPDECheckpointIO]" = weakref.WeakSet()
 

@@ -16,6 +16,7 @@ from typing import Any
 from tpde import entry as entries
 from tpde.api import Checkpointer
 from tpde.chain import GcReport
+from tpde.lease import Lease
 
 
 @dataclass
@@ -29,6 +30,9 @@ class Run:
 
 
 _RUNS: dict[str, Run] = {}
+#: The leases of runs whose plugins were dropped without a teardown, by folder: given up by
+#: the next plugin of this process to write there (a collector may not do I/O).
+_DROPPED: dict[str, Lease] = {}
 _LOCK = threading.Lock()
 
 
@@ -39,6 +43,9 @@ def acquire(url: str, user: Any, storage_options: dict[str, Any],
     with _LOCK:
         run = _RUNS.get(key)
         if run is None:
+            dropped = _DROPPED.pop(key, None)
+            if dropped is not None:  # this process's own lease: no other job holds the run
+                dropped.release()
             run = _RUNS[key] = Run(Checkpointer(url, storage_options=storage_options,
                                                 **options))
         run.users.add(user)
@@ -46,13 +53,17 @@ def acquire(url: str, user: Any, storage_options: dict[str, Any],
 
 
 def forget(urls: set[str]) -> None:
-    """Drop the runs at ``urls`` that no live user holds (no I/O: this runs at collection)."""
+    """Drop the runs at ``urls`` that no live user holds (no I/O: this runs at collection).
+    Their leases are kept until this process writes the folder again, which gives them up; a
+    job elsewhere waits for them to lapse, as for a writer that died."""
     with _LOCK:
         for url in urls:
             key = entries.normalize(url)
             run = _RUNS.get(key)
             if run is not None and not list(run.users):
                 del _RUNS[key]
+                if run.ckpt.lease.held:
+                    _DROPPED[key] = run.ckpt.lease
 
 
 def release(url: str, user: Any) -> GcReport:

@@ -157,6 +157,10 @@ def test_lightning_checkpoint_files_are_listed_and_taken_as_steps(tmp_path) -> N
     assert torch.load(out, weights_only=True)["global_step"] == 15
     missing = tpde_cli("info", str(folder), "--step", "epoch=0.ckpt")
     assert missing.returncode == 1 and "epoch=1.ckpt, epoch=2.ckpt" in missing.stderr
+    # An entry given as the run restores its own step, not the run's latest.
+    assert tpde_cli("restore", str(folder / "epoch=1.ckpt"), "--output",
+                    str(out)).returncode == 0
+    assert torch.load(out, weights_only=True)["global_step"] == 10
 
 
 @pytest.mark.parametrize("command", ["ls", "info"])
@@ -188,3 +192,14 @@ def test_tpde_dcp_is_there_after_import_tpde() -> None:
     done = subprocess.run([sys.executable, "-c", "import tpde; print(tpde.dcp.load_full)"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "function load_full" in done.stdout, done.stderr
+
+
+def test_export_onto_a_step_the_target_holds_says_what_to_do_before_decoding(run,
+                                                                            tmp_path) -> None:
+    to = str(tmp_path / "exported")
+    assert tpde_cli("export", run, "--step", "40", "--to", to).returncode == 0
+    again = tpde_cli("export", run, "--step", "40", "--to", to)
+    assert again.returncode == 1 and "Traceback" not in again.stderr
+    assert f"{to} already holds a step 40" in again.stderr and "new --to folder" in again.stderr
+    assert "remove()" not in again.stderr and "exporting" not in again.stderr
+    assert tpde.Checkpointer(to).steps() == [40]

@@ -624,13 +624,31 @@ def test_a_residual_needs_words_that_the_c_loops_take() -> None:
         frames.compress_planes(rows, against=odd, mode=1)
 
 
+def test_a_pool_held_across_a_stop_finishes_what_it_had_and_starts_again() -> None:
+    """``stop`` ends the threads once their work is done; whoever holds the pool (a restore
+    under way while a plugin tears down) submits on, to new threads."""
+    pool = frame_threads.pool("stoptest", 2)
+    gate = threading.Event()
+    first = [pool.submit(gate.wait, 30) for _ in range(3)]
+    stopping = threading.Thread(target=frame_threads.stop)
+    stopping.start()
+    assert pool.map(lambda x: x * 2, [1, 2, 3]) is not None  # a new executor, not refused
+    gate.set()
+    stopping.join(timeout=30)
+    assert not stopping.is_alive()
+    assert [f.result() for f in first] == [True] * 3
+    assert list(pool.map(lambda x: x * 2, [1, 2, 3])) == [2, 4, 6]
+    frame_threads.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("tpde-stoptest")]
+
+
 def test_a_spread_does_its_parts_itself_while_the_frame_threads_are_busy(monkeypatch) -> None:
     """Two encode tasks spread frames at once; a part the frame threads have not started is
     done by the caller, never waited for (here the threads are held until the end)."""
     monkeypatch.setattr(frame_threads, "SPREAD_BYTES", 1)
     pool = frame_threads._frame_pool()
     gate = threading.Event()
-    held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
+    held = [pool.submit(gate.wait) for _ in range(pool.size)]
     rows = np.random.default_rng(0).integers(0, 8, (1 << 19, 4), dtype=np.uint8)
     done: list[frames.Section] = []
     try:
@@ -674,7 +692,7 @@ def test_a_helper_that_starts_late_takes_half_of_what_is_left() -> None:
     100 indices; the helper then takes the upper half of the 89 the caller has not started."""
     pool = frame_threads._frame_pool()
     gate, helped = threading.Event(), threading.Event()
-    held = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
+    held = [pool.submit(gate.wait) for _ in range(pool.size)]
     mine = threading.get_ident()
     calls: list[tuple[bool, list[int]]] = []
 
@@ -743,7 +761,7 @@ def spread():
             done.append(i)
             time.sleep(0.005)
     frame_threads.spread(64, None, work, raw=1 << 30)
-    return len(threads), decode.pools()[0]._max_workers, sorted(done) == list(range(64))
+    return len(threads), decode.pools()[0].size, sorted(done) == list(range(64))
 os.sched_setaffinity(0, {min(everywhere)})
 print(*spread())
 os.sched_setaffinity(0, everywhere)

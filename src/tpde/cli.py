@@ -23,7 +23,7 @@ from . import entry as entries
 from .api import Checkpointer, Snapshot
 from .against import distances
 from .chain import KEYFRAME, Chain, lossy_summary, span_words
-from .errors import LossyWarning, StepNotFoundError, TPDEError
+from .errors import LossyWarning, StepExistsError, StepNotFoundError, TPDEError
 from .lease import Lease
 from .keys import weights_key
 
@@ -358,6 +358,9 @@ def cmd_export(chain: Chain, args: argparse.Namespace) -> int:
     """A step as the keyframe of a new run: mounting or loading it then decodes no deltas."""
     step = args.step if args.step is not None else chain.latest()
     m = chain.manifest(step)
+    if step in Chain(args.to, storage_options=args.options).steps():  # before decoding it
+        raise StepExistsError(f"{args.to} already holds a step {step}; export into a run "
+                              "that does not (a new --to folder)", run=chain.url, step=step)
     with _bar(m.raw_bytes, f"exporting step {step}", args.quiet) as advance:
         words = chain.materialize(step, progress=advance)
     # The skeleton is copied as stored: nothing is unpickled on the way.

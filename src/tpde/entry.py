@@ -226,6 +226,20 @@ def read_any(path: str, storage_options: dict[str, Any] | None = None
     return parse_any(fs.cat_file(p), where=str(path))
 
 
+def replaced(path: str, storage_options: dict[str, Any] | None = None
+             ) -> tuple[CheckpointEntry | None, bool]:
+    """What a save of ``path`` replaces: the committed entry there (a pending entry's
+    previous one), and whether the file there is a plain checkpoint, not an entry. Nothing
+    there, or a damaged entry: ``(None, False)``; a writer replaces it."""
+    try:
+        found = read_any(path, storage_options)
+    except (FileNotFoundError, NotADirectoryError, TPDEError):
+        return None, False
+    if found is None:
+        return None, True
+    return (found.previous if isinstance(found, PendingEntry) else found), False
+
+
 def _committed(entry: PendingEntry, where: str) -> CheckpointEntry:
     if entry.previous is None:
         raise StepPendingError(

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
 
 #: The fewest raw bytes worth handing to another frame thread. The writer's and the reader's
 #: tasks already code tensors side by side: spreading a 1 MB tensor's frames as well (from
@@ -17,7 +17,43 @@ from typing import Callable, Iterable, Iterator
 SPREAD_BYTES = 2 << 20
 
 _pool_lock = threading.Lock()
-_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+_pools: dict[tuple[str, int], "Pool"] = {}
+
+
+class Pool:
+    """``size`` threads called ``name``, started on first use and ended by ``stop``.
+
+    The next ``submit`` or ``map`` after a ``stop`` starts new threads, so a caller holding a
+    pool across a stop (a restore under way while a plugin tears down) never meets a shut-down
+    executor; what was queued before the stop still runs to the end."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _started(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=f"tpde-{self.name}")
+        return self._executor
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._lock:
+            return self._started().submit(fn, *args)
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any]) -> Iterator[Any]:
+        # ``Executor.map`` submits every call before it returns, so under the lock all of
+        # them reach the executor this pool has now.
+        with self._lock:
+            return self._started().map(fn, *iterables)
+
+    def stop(self) -> None:
+        """End the threads once the work already handed to them is done."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
 def _in_child() -> None:
@@ -47,16 +83,27 @@ def default_threads() -> int:
     return max(1, min(8, usable_cpus()))
 
 
-def pool(name: str, size: int) -> ThreadPoolExecutor:
+def pool(name: str, size: int) -> Pool:
     """The process's ``size`` threads called ``name``, made once per process and size.
 
     Threads outlive the call that started them: a mount decodes many times a second, and
     starting threads for every decode cost more than decoding a small module. A process whose
-    CPUs change gets pools of the new size; those of the old size stay, idle."""
+    CPUs change gets pools of the new size; those of the old size stay, idle, until ``stop``."""
     with _pool_lock:
         if (name, size) not in _pools:
-            _pools[name, size] = ThreadPoolExecutor(size, thread_name_prefix=f"tpde-{name}")
+            _pools[name, size] = Pool(name, size)
         return _pools[name, size]
+
+
+def stop() -> None:
+    """End every coding thread of the process once its work is done. A front end calls this
+    when it is finished (a Lightning ``Trainer`` leaves no thread behind, as the stock plugin
+    does); the next save, restore or mount starts them again, so a caller mid-restore only
+    pays for starting threads anew."""
+    with _pool_lock:
+        pools = list(_pools.values())
+    for p in pools:
+        p.stop()
 
 
 def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None],
@@ -135,6 +182,6 @@ class _Shares:
             return share
 
 
-def _frame_pool() -> ThreadPoolExecutor:
+def _frame_pool() -> Pool:
     """Only leaf work runs on it, so callers on other pools cannot deadlock it."""
     return pool("frames", default_threads() - 1 or 1)

@@ -67,7 +67,9 @@ def main() -> None:
             del trainer, model, data, io
             gc.collect()
             rows.append({"round": n + 1, "rss_mb": round(rss_mb(), 1),
-                         "threads": threading.active_count()})
+                         "threads": threading.active_count(),
+                         "others": sorted(t.name for t in threading.enumerate()
+                                          if t is not threading.main_thread())})
             print(json.dumps(rows[-1]), flush=True)
     growth = rows[-1]["rss_mb"] - rows[1]["rss_mb"] if len(rows) > 1 else 0.0
     print(json.dumps({"plugin": args.plugin, "mb": args.mb, "rounds": args.rounds,

@@ -6,7 +6,6 @@ checks it; ``read`` plans which records of which steps to rebuild, in what order
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -22,7 +21,7 @@ from .plan import batches
 TASK_BYTES = 1 << 20
 
 
-def pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+def pools() -> tuple[frame_threads.Pool, frame_threads.Pool]:
     """The process's decode threads, one for each CPU this thread may run on, and the threads
     that fetch one step ahead."""
     return (frame_threads.pool("decode", frame_threads.default_threads()),

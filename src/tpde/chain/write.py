@@ -412,8 +412,9 @@ class Writer(Reader):
         if not self.store.exists(manifest_path(step)):
             return
         if not self.is_hidden(step):
-            raise StepExistsError("already committed and immutable; save under a new step or "
-                                  "remove() it first", run=self.url, step=step)
+            raise StepExistsError("already committed and immutable; save under a new step, or "
+                                  "remove that step first (Checkpointer.remove)",
+                                  run=self.url, step=step)
         if step in self.needed():
             raise StepExistsError("was removed, but later steps still need its data, so the "
                                   "number cannot be reused yet; save under a new step",
