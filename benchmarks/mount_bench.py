@@ -169,14 +169,13 @@ def at_budget_zero(run: str, step: int, model: torch.nn.Module, device: torch.de
 
 def restored(run: str, step: int, dense: torch.nn.Module, device: torch.device,
              repeats: int) -> float:
-    """The median seconds of the restore path (``tpde.load_state_dict``) for ``step``, whose
-    weights ``dense`` then holds."""
+    """The median seconds of the restore path (``tpde.load_state_dict``, which loads the
+    weights into ``dense``) for ``step``."""
     loads = []
     for _ in range(repeats):
         started = time.perf_counter()
-        weights = tpde.load_state_dict(run, step, model=dense, map_location=device)
+        tpde.load_state_dict(run, step, model=dense, map_location=device)
         loads.append(time.perf_counter() - started)
-    dense.load_state_dict(weights)
     return statistics.median(loads)
 
 

@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Iterator
 
@@ -776,6 +777,17 @@ def test_unstorable_value_is_refused_before_anything_is_written(tmp_path) -> Non
         ck.save(1, {"w": torch.ones(1000), "cfg": {"fn": lambda x: x}})
     assert ck.steps() == [0]
     assert not ck.save(1, {"w": torch.ones(1000)}).keyframe  # the writer kept its reference
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_a_nested_tensor_is_refused_with_what_to_store_instead(tmp_path, layout) -> None:
+    ck = tpde.Checkpointer(str(tmp_path / "r"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: nested tensors are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+    with pytest.raises(tpde.UnsupportedError, match=r"nested tensor at 'opt/x'.*unbind\(\)"):
+        ck.save(0, {"w": torch.ones(4), "opt": {"x": nested}})
+    assert ck.steps() == []
 
 
 def test_a_store_failure_mid_save_leaves_nothing_visible(store_url, monkeypatch) -> None:

@@ -306,7 +306,15 @@ def test_prefix_container_factory_and_meta_model(tmp_path) -> None:
     model = tpde.mount(run, model=skeleton, device="cpu", budget=0)
     with torch.no_grad():
         assert torch.equal(model(x), net(x))
-    assert_same(dict(tpde.load_state_dict(run, model=net)), dict(net.state_dict()))
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16),
+                                torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    assert_same(dict(tpde.load_state_dict(run, model=fresh)), dict(net.state_dict()))
+    assert_same(dict(fresh.state_dict()), dict(net.state_dict()))  # loaded into the model
+    other = torch.nn.Linear(3, 3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(tpde.TPDEError, match="no stored tensor"):
+        tpde.load_state_dict(run, model=other)
+    assert_same(dict(other.state_dict()), before)
     with pytest.raises(tpde.TPDEError, match="no stored tensor"):
         tpde.mount(run, model=torch.nn.Linear(3, 3), device="cpu")
     for bad, match in [({"budget": -1}, "budget"), ({"budget": 1.5}, "budget"),

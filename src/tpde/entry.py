@@ -435,19 +435,36 @@ def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module
                     map_location: str | torch.device = "cpu",
                     storage_options: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The model state dict of ``step``, loaded in full (the dense counterpart of ``mount``).
+    Only the model's part is decoded: an optimizer state beside it costs nothing.
 
-    With ``model`` the keys are the model's (prefix and container resolved as ``mount`` does);
-    without, the ``state_dict``/``model`` entry of the checkpoint, or the checkpoint itself.
-    Only that part is decoded: an optimizer state beside it costs nothing.
+    Args:
+        run: a run, a checkpoint folder, or a checkpoint entry (then its step is the default).
+        step: the step; None for the entry's, or the run's latest.
+        model: loaded with the step's weights, as ``model.load_state_dict`` would, and its
+            keys are those of the returned dict (the container and key prefix are found as
+            ``mount`` finds them). A step that lacks any of its keys (another architecture)
+            raises ``TPDEError`` and leaves the model as it was.
+        map_location: where the returned tensors are put.
+        storage_options: fsspec options for the run's store.
+
+    Returns:
+        The state dict: without ``model``, the checkpoint's ``state_dict``/``model`` entry, or
+        the checkpoint itself.
+
+    Example:
+        >>> net = Net()
+        >>> tpde.load_state_dict("runs/exp1", model=net)  # net now holds the latest weights
     """
     chain, step = open_step(run, step, storage_options)
     skeleton = chain.manifest(step).skeleton
     if model is not None:
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        _, container, prefix = keys.match(skeleton, shapes)
+        _, container, prefix = keys.match_all(skeleton, shapes, run=chain.url, step=step)
         node, _ = chain.load(step, map_location=map_location, keep_words=False,
                              within=container or None)  # the model's part only
-        return OrderedDict((k, node[prefix + k]) for k in shapes if prefix + k in node)
+        state = OrderedDict((k, node[prefix + k]) for k in shapes)
+        model.load_state_dict(state)
+        return state
     container = keys.weights_key(skeleton)
     state, _ = chain.load(step, map_location=map_location, keep_words=False, within=container)
     return state

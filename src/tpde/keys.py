@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+from .errors import TPDEError
+
 #: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
 CONTAINERS = ("state_dict", "model", "module", "")
 
@@ -46,6 +48,20 @@ def match(skeleton: Any, shapes: dict[str, tuple[int, ...]]
             if len(found) > best[0]:
                 best = (len(found), found, name, prefix)
     return best[1], best[2], best[3]
+
+
+def match_all(skeleton: Any, shapes: dict[str, tuple[int, ...]], *, run: str, step: int
+              ) -> tuple[dict[str, dict[str, Any]], str, str]:
+    """``match``, where every one of the model's keys must be found: a model of another
+    architecture is an error, not a partial (or empty) state dict."""
+    found, container, prefix = match(skeleton, shapes)
+    missing = [k for k in shapes if k not in found]
+    if missing:
+        raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
+                        f"{len(shapes)} state-dict keys of the same shape (first: "
+                        f"{missing[:3]}); build the model whose checkpoint this is",
+                        run=run, step=step)
+    return found, container, prefix
 
 
 def weights_key(skeleton: Any) -> str | None:

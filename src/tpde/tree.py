@@ -82,6 +82,9 @@ def flatten(state: Any) -> Flat:
 
 def _walk(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
     """``obj``'s skeleton; its storable tensors go to ``tensors``."""
+    if isinstance(obj, torch.Tensor) and obj.is_nested:
+        raise UnsupportedError(f"the nested tensor at {path.lstrip('/') or '<root>'!r} cannot "
+                               "be stored; store its .unbind() (a list of tensors) instead")
     if isinstance(obj, torch.Tensor) and _storable(obj):
         tensors.append((path, obj))
         return {"$t": len(tensors) - 1}
