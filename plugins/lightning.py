@@ -247,9 +247,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             if isinstance(exc, TPDEError):
                 raise
             raise FileNotFoundError(f"Checkpoint file not found: {path}") from exc
-        if step is None:  # not an entry: a plain checkpoint (or nothing, which _load reports)
+        if step is None:  # not an entry: a plain checkpoint, or nothing
             from lightning.fabric.utilities.cloud_io import _load
 
+            fs, p = entries.filesystem(path, self.storage_options)
+            if not fs.exists(p):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
             return _load(path, map_location=map_location, weights_only=weights_only)
         # Lightning's default (a torch-style callable) keeps tensors on the CPU, as this does.
         location = map_location if isinstance(map_location, (str, dict, torch.device)) else "cpu"

@@ -331,6 +331,19 @@ def test_storage_options_that_are_not_a_dict_are_refused_before_anything_is_writ
     plugin.teardown()
 
 
+def test_resuming_from_a_path_that_does_not_exist_names_it_as_lightning_does(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    plugin = tpde.TPDECheckpointIO()
+    for path in ("not existing", str(tmp_path / "gone" / "x.ckpt")):
+        with pytest.raises(FileNotFoundError, match=f"^Checkpoint file not found: {path}$"):
+            plugin.load_checkpoint(path)
+    model, train, val = model_and_data()
+    with pytest.raises(FileNotFoundError, match="Checkpoint file not found: not existing"):
+        trainer_for(tmp_path, plugin).fit(model, train, val, ckpt_path="not existing")
+    assert not os.path.exists("not existing")
+
+
 class _Whole(http.server.SimpleHTTPRequestHandler):
     """Answers every GET with the whole file, whatever Range asks (as some servers do)."""
 
