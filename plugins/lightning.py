@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tpde import entry as entries
-from tpde import frame_threads, frames
+from tpde import checkpoint_folder, frame_threads, frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
                       check_deltas_against, check_reference, check_settings, snapshot)
 from tpde.chain import PREVIOUS
@@ -142,7 +142,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self._kept: dict[str, tuple[int, int]] = {}
         self._room = threading.Semaphore(self.max_pending + 1)
         self._worker = Worker("tpde-lightning")
-        self._seen: entries.Seen = {}
+        self._seen: checkpoint_folder.Seen = {}
         # A plugin dropped without a teardown no longer keeps its runs (and their reference
         # words) in memory; its lease lapses as a dead writer's does.
         weakref.finalize(self, writers.forget, self._used)
@@ -400,7 +400,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         """Hide the steps no entry names any more; their bytes go before the run could hold
         more than ``TorchCheckpointIO`` would, or at teardown (``Checkpointer.remove``'s
         ``defer``): many of a top-k run's removals then cost no re-base."""
-        hidden = entries.orphans(ckpt.chain, folder, self.storage_options, self._seen)
+        hidden = checkpoint_folder.orphans(ckpt.chain, folder, self.storage_options, self._seen)
         report = ckpt.remove(*hidden, defer=True)
         self.freed_bytes += report.freed_bytes
         log.info("tpde: %s replaced or removed; hid steps %s, re-based %s in %.2f s, "

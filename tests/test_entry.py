@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tpde
-from tpde import entry
+from tpde import checkpoint_folder, entry
 from tpde.store import Store
 
 
@@ -27,12 +27,16 @@ def test_roots_follow_a_rewritten_entry(where: str, tmp_path, request) -> None:
                                                     blob=chain.manifest(step).blob))
         Store(folder, options).put_atomic("last.ckpt", data)
 
-    seen: entry.Seen = {}
+    seen: checkpoint_folder.Seen = {}
+
+    def named() -> dict[str, tuple[int, str]]:
+        return {n: (e.step, e.blob) for n, e in checkpoint_folder.listing(folder, chain, options, seen).items()}
+
     point(1)
-    assert entry.roots(folder, chain, options, seen) == {1: chain.manifest(1).blob}
+    assert named() == {"last.ckpt": (1, chain.manifest(1).blob)}
     point(2)  # the same size, rewritten at once: the cache must not answer for it
-    assert entry.roots(folder, chain, options, seen) == {2: chain.manifest(2).blob}
-    assert entry.orphans(chain, folder, options, seen) == [1]
+    assert named() == {"last.ckpt": (2, chain.manifest(2).blob)}
+    assert checkpoint_folder.orphans(chain, folder, options, seen) == [1]
     assert torch.equal(entry.load_checkpoint(f"{folder}/last.ckpt", storage_options=options)["w"],
                        torch.full((8,), 2.0))
 

@@ -43,8 +43,18 @@ CONFIGS = {
 
 
 def size(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs
-               if not f.endswith(".tmp"))
+    """The folder's bytes now; a file removed between the listing and its stat counts as gone
+    (the training thread removes checkpoints while the background worker writes)."""
+    total = 0
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            if f.endswith(".tmp"):
+                continue
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except FileNotFoundError:
+                pass
+    return total
 
 
 class Peak:

@@ -135,8 +135,10 @@ def parse_any(data: bytes, where: str = "") -> CheckpointEntry | PendingEntry | 
     # method or version it lacks, or an encryption flag.
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError,
             RuntimeError, zlib.error, lzma.LZMAError) as exc:
-        raise FormatError(f"checkpoint entry {where} is damaged ({exc}); restore it from the "
-                          "chain with `tpde ls` / `tpde restore`") from None
+        where_from = where.rsplit("/", 1)[0] if "/" in where else "FOLDER"
+        raise FormatError(f"checkpoint entry {where} is damaged ({exc}); its step is still in "
+                          f"the chain: `tpde repair {where_from}` writes the entry again "
+                          f"(`tpde ls {where_from}` shows the step it names)") from None
     try:
         if doc.pop("format") != "tpde-entry":
             raise ValueError("unknown format")
@@ -319,59 +321,6 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
 load_checkpoint.__module__ = "tpde"
 
 
-#: Entries already read, by URL and a version that changes with every rewrite (an ETag or
-#: generation on object stores, inode and mtime on disk): a writer that collects after every
-#: save reads each entry once, not once per save.
-Seen = dict[tuple[str, Any], "CheckpointEntry | None"]
-
-
-def _version(item: dict[str, Any]) -> Any:
-    """What identifies one write of a listed file, or None where the listing has nothing exact."""
-    for key in ("ETag", "etag", "generation"):
-        if item.get(key):
-            return item[key]
-    if item.get("ino") is not None:  # atomic replacement on disk makes a new inode
-        return (item["ino"], item.get("mtime"))
-    return None
-
-
-def roots(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
-          seen: Seen | None = None) -> dict[int, str]:
-    """Steps of ``chain`` that entries in ``folder_url`` point to (step -> blob)."""
-    return {e.step: e.blob for e in listing(folder_url, chain, storage_options, seen).values()}
-
-
-def listing(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
-            seen: Seen | None = None) -> dict[str, CheckpointEntry]:
-    """The entries in ``folder_url`` that point into ``chain``, by file name."""
-    seen = {} if seen is None else seen
-    fs, root = filesystem(folder_url, storage_options)
-    try:
-        items = fs.ls(root, detail=True, refresh=True)
-    except FileNotFoundError:
-        return {}
-    found: dict[str, CheckpointEntry] = {}
-    listed = set()
-    for item in items:
-        if item.get("type") != "file" or int(item.get("size") or 0) > MAX_ENTRY_BYTES:
-            continue
-        name = item["name"]
-        url = name if "://" not in folder_url else f"{folder_url.split('://', 1)[0]}://{name}"
-        key = (url, _version(item))
-        listed.add(key)
-        if key[1] is None or key not in seen:
-            try:
-                seen[key] = read(url, storage_options, wait=False)
-            except (FileNotFoundError, TPDEError):
-                continue  # removed meanwhile, or damaged: a damaged entry holds nothing alive
-        entry = seen[key]
-        if entry is not None and _same_chain(url, entry, chain):
-            found[name.rstrip("/").rsplit("/", 1)[-1]] = entry
-    for gone in seen.keys() - listed:  # replaced or removed: forget, so the cache stays small
-        del seen[gone]
-    return dict(sorted(found.items()))
-
-
 def normalize(url: str) -> str:
     """One spelling per location, so chains found by different routes compare equal."""
     url = str(url).rstrip("/")
@@ -380,15 +329,8 @@ def normalize(url: str) -> str:
     return url
 
 
-def _same_chain(path: str, entry: CheckpointEntry, chain: Chain) -> bool:
+def same_chain(path: str, entry: CheckpointEntry, chain: Chain) -> bool:
     return normalize(f"{folder(path)}/{entry.run}") == normalize(chain.url)
-
-
-def orphans(chain: Chain, folder_url: str, storage_options: dict[str, Any] | None = None,
-            seen: Seen | None = None) -> list[int]:
-    """Visible steps of ``chain`` that no entry in ``folder_url`` names: the ones to hide."""
-    live = roots(folder_url, chain, storage_options, seen)
-    return [s for s in chain.steps() if live.get(s) != chain.manifest(s).id]
 
 
 def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:

@@ -1,20 +1,33 @@
 """What the CLI prints for people: step and tensor rows, byte counts, bytes at rest, damage
-summaries. Apart from ``cli`` so that the commands read as what they do."""
+summaries, progress bars. Apart from the commands so that they read as what they do."""
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from .chain import AtRest, Chain, Reads
-from .manifest import Manifest
-from .quant import Bound, applies
+from ..chain import AtRest, Chain, Reads
+from ..manifest import Manifest
+from ..quant import Bound, applies
 
 #: Messages for people go to stderr; stdout carries tables and JSON.
 err = Console(stderr=True)
+
+
+@contextmanager
+def bar(total: int, label: str, quiet: bool) -> Iterator[Callable[[int], None]]:
+    if quiet or not err.is_terminal:
+        yield lambda n: None
+        return
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
 
 
 def step_row(m: Manifest) -> dict[str, Any]:
@@ -36,8 +49,18 @@ def entries_table(chain: Chain, named: list[dict[str, Any]]) -> None:
     for e in named:
         table.add_row(e["name"], str(e["epoch"] if e["epoch"] is not None else "-"),
                       str(e["global_step"] if e["global_step"] is not None else "-"),
-                      str(e["step"]), "ok" if e["restores"] else "its step is gone")
+                      "-" if e["step"] is None else str(e["step"]), _entry_state(e))
     out().print(table)
+
+
+def _entry_state(e: dict[str, Any]) -> str:
+    if e["state"] == "damaged":
+        steps = e["steps"]
+        return "DAMAGED, " + (f"names step {steps[0]}" if len(steps) == 1 else
+                              f"may name steps {steps}" if steps else "names no step found")
+    if e["state"] == "pending":
+        return f"first save pending ({e['writer']})"
+    return "ok" if e["restores"] else "its step is gone"
 
 
 def at_rest_line(rest: AtRest) -> str:

@@ -1,0 +1,8 @@
+"""``python -m tpde.cli``."""
+
+import sys
+
+from .main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
