@@ -219,6 +219,30 @@ def test_bad_patterns_fail_at_construction_and_first_save(tmp_path) -> None:
     assert not os.path.exists(tmp_path / "b" / "steps")  # nothing was written
 
 
+def test_a_pattern_that_earlier_ones_shadow_is_refused(tmp_path) -> None:
+    """First match wins: ``*.bias`` after ``model/*`` would give every bias Rel(1e-3)."""
+    g = torch.Generator().manual_seed(0)
+    state = {"model": {"fc.weight": torch.randn(256, generator=g),
+                       "fc.bias": 100 + torch.randn(256, generator=g)},
+             "step": 0}
+    shadowed = tpde.Checkpointer(str(tmp_path / "a"), error_bound={
+        "model/*": tpde.Rel(1e-3), "*.bias": tpde.Abs(1e-6)})
+    with pytest.raises(tpde.BoundError, match=r"'\*\.bias' applies to no tensor.*"
+                                              r"\['model/fc\.bias'\].*'model/\*'.*first"):
+        shadowed.save(0, state)
+    assert not os.path.exists(tmp_path / "a" / "steps")
+    run = str(tmp_path / "b")
+    with tpde.Checkpointer(run, error_bound={"*.bias": tpde.Abs(1e-6),
+                                             "model/*": tpde.Rel(1e-3)}) as ck:
+        ck.save(0, state)
+        ck.save(1, {"model": {n: t + 1e-4 for n, t in state["model"].items()}, "step": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tpde.LossyWarning)
+        back = tpde.Checkpointer(run).load(1)
+    bias = state["model"]["fc.bias"] + 1e-4
+    assert (back["model"]["fc.bias"] - bias).abs().max() <= 1e-6
+
+
 def test_lossy_steps_read_through_mounts_and_load_state_dict(tmp_path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

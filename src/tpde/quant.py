@@ -116,14 +116,27 @@ class Bounds:
         return self._cache[name]
 
     def check(self, names: Iterable[str]) -> None:
-        """Refuse patterns that match none of ``names`` (a typo would silently save exactly)."""
+        """Refuse patterns that would not mean what they say on ``names``: one that matches
+        none (a typo would silently save exactly), and one whose every tensor an earlier
+        pattern takes (the first match wins, so it would silently change nothing)."""
         names = list(names)
+        taken: dict[str, str] = {}  # tensor -> the pattern that takes it
         for pattern in self.patterns:
-            if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            mine = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not mine:
                 near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.3) or names[:5]
                 raise BoundError(f"error_bound pattern {pattern!r} matches no tensor of this "
                                  f"checkpoint; names look like {near}; fix the pattern (a * "
                                  "matches any characters, / included)")
+            if all(n in taken for n in mine):
+                by = sorted({taken[n] for n in mine})
+                raise BoundError(
+                    f"error_bound pattern {pattern!r} applies to no tensor: every tensor it "
+                    f"matches ({mine[:3]}{' ...' if len(mine) > 3 else ''}) is taken by the "
+                    f"earlier pattern {' and '.join(map(repr, by))}, and the first matching "
+                    f"pattern wins; put {pattern!r} first")
+            for n in mine:
+                taken.setdefault(n, pattern)
 
     def __repr__(self) -> str:
         return "{" + ", ".join(f"{p!r}: {b}" for p, b in self.patterns.items()) + "}"

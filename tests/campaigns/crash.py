@@ -88,12 +88,14 @@ def check(url: str, options: dict | None, expected: dict[int, dict], action: str
 
 
 def campaign(make_url: Callable[[], tuple[str, dict | None]], *, steps: int = 4,
-             actions: tuple[str, ...] = ("save", "remove+gc"), limit: int = 200) -> int:
-    """Every kill point of every action; returns how many were tried."""
+             actions: tuple[str, ...] = ("save", "remove+gc"), limit: int = 200,
+             every: int = 1) -> int:
+    """Every kill point of every action (``every``: each that many-th, from the first);
+    returns how many were tried."""
     ctx = multiprocessing.get_context("fork")
     tried = 0
     for action in actions:
-        for kill_at in range(1, limit + 1):
+        for kill_at in range(1, limit + 1, every):
             url, options = make_url()
             # Deltas all the way (keyframe_every=8): removing steps 1 and 2 re-bases step 3.
             expected = build(url, options, steps, keyframe_every=8)
@@ -115,16 +117,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--s3", action="store_true", help="against a moto S3 server on 127.0.0.1")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--every", type=int, default=1, help="try each N-th kill point (default: all)")
     args = p.parse_args()
     if args.s3:
         from campaigns.s3 import moto_server
 
         with moto_server() as options:
-            n = campaign(lambda: (f"s3://tpde/{uuid.uuid4().hex[:10]}", options), steps=args.steps)
+            n = campaign(lambda: (f"s3://tpde/{uuid.uuid4().hex[:10]}", options),
+                         steps=args.steps, every=args.every)
     else:
         root = tempfile.mkdtemp()
         try:
-            n = campaign(lambda: (os.path.join(root, uuid.uuid4().hex[:10]), None), steps=args.steps)
+            n = campaign(lambda: (os.path.join(root, uuid.uuid4().hex[:10]), None),
+                         steps=args.steps, every=args.every)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     print(f"{n} kill points tried on {'S3 (moto)' if args.s3 else 'local disk'}: "
