@@ -38,7 +38,7 @@ from tpde.chain import DATA, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.write import put_sections
-from tpde.errors import TPDEError
+from tpde.errors import TPDEError, UnsupportedError
 from tpde.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, Record, format_for, record_hash
 from tpde.store import Store
@@ -164,8 +164,18 @@ class Writer(OnRun, StorageWriter):
         self._refuse_other(checkpoint_id, "dcp.save")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Refuses ``use_collectives=False`` where more than one process saves, before anything
+        is written: a step is committed once, by the coordinator, from every rank's results,
+        and without collectives each rank would commit the step with its own part alone."""
         rank = kwargs.get("rank")
         self.rank = rank if rank is not None else process_rank()
+        if kwargs.get("use_collectives") is False and dist.is_initialized() \
+                and dist.get_world_size() > 1:
+            raise UnsupportedError(
+                "dcp.save(..., use_collectives=False) with more than one process: tpde commits "
+                "a step once, from every rank's part, and without collectives no rank has "
+                "them all; nothing was written. Save with collectives (the default)",
+                run=self.run, step=self.step)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -223,7 +233,7 @@ class Writer(OnRun, StorageWriter):
                      shards=list(shards.values()),
                      dcp=layout.to_json(metadata, storage, len(results)))
         chain.mark_run()
-        chain.commit(m)
+        chain.commit(m, new=True)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.run, save_id=uuid.uuid4().hex)

@@ -8,6 +8,7 @@ state dict in one process. The writing side is ``tpde.plugins.dcp``.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
@@ -68,9 +69,18 @@ class Reader(OnRun, StorageReader):
             self._storage = dict(metadata.storage_data)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=self._at)  # the step this rank planned
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """One step per load: each rank resolved "the latest" for itself, and a save that
+        committed in between would give ranks different steps (and chunk layouts), so the
+        coordinator refuses the load before anything is read."""
+        steps = sorted({p.storage_data for p in plans})
+        if len(steps) > 1:
+            raise TPDEError(f"the ranks of this load read different latest steps ({steps}): a "
+                            "save committed while they started; nothing was loaded. Load "
+                            f"again, or name the step: tpde.dcp.Reader(run, step={steps[-1]})",
+                            run=self.run)
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -174,7 +174,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             snap = snapshot(checkpoint, device=self.device) if background else checkpoint
             if self.bounds is not None and isinstance(snap, Snapshot):
                 # A pattern that matches nothing fails on the training thread, not later.
-                self.bounds.check(span.name for span in snap.flat.spans)
+                self.bounds.check(n for span in snap.flat.spans for n in span.names)
             pending = self._announce(path, options) if background else None
         except BaseException:
             self._room.release()

@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -32,12 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 
 import tpde.dcp
-from tpde import store
 
 warnings.filterwarnings("ignore")
 
 
-WRITE = store.BlobWriter.write
+FSYNC = os.fsync
 #: fsspec storage options of the run (an S3 server's endpoint and keys), as JSON.
 OPTIONS = json.loads(os.environ.get("TPDE_STORAGE_OPTIONS", "null"))
 
@@ -65,15 +65,17 @@ def fault(rank: int, step: int) -> None:
 
         arm(int(n))
         return
-    original, count = store.BlobWriter.write, [0]
+    # The disk refuses the n-th fsync, below tpde's writer: what reaches DCP is tpde's own
+    # StoreError for a full disk, as on a real one.
+    original, count = os.fsync, [0]
 
-    def failing(self, data):
+    def failing(fd):
         count[0] += 1
         if count[0] == int(n):
             raise OSError(28, "No space left on device")
-        return original(self, data)
+        return original(fd)
 
-    store.BlobWriter.write = failing
+    os.fsync = failing
 
 
 def full_states(step: int) -> dict[str, torch.Tensor]:
@@ -204,7 +206,7 @@ def main() -> None:
                     dcp.save(state, storage_writer=writer(run, step))
             except CheckpointException as exc:  # a rank failed: nothing is committed
                 print(f"rank {rank}: step {step} failed: {exc}", flush=True)
-                store.BlobWriter.write = WRITE
+                os.fsync = FSYNC
                 dcp.save(state, storage_writer=writer(run, step))
             full = gathered(state)  # a collective: on every rank
             if rank == 0:
@@ -214,6 +216,39 @@ def main() -> None:
         dcp.load(state, storage_reader=reader(run, None if latest else steps))
         want = torch.load(os.path.join(expected, f"step{steps}.pt"))
         same(gathered(state), want)
+    elif mode == "dtensor-save-without-collectives":
+        state = dtensor_state(steps, mesh)
+        if dist.get_world_size() == 1:  # one process: the step is whole, and loads back
+            dcp.save(state, storage_writer=writer(run, steps), use_collectives=False)
+            torch.save(gathered(state), os.path.join(expected, f"step{steps}.pt"))
+        else:
+            try:
+                dcp.save(state, storage_writer=writer(run, steps), use_collectives=False)
+                raise AssertionError("every rank committed its own part of the step")
+            except tpde.UnsupportedError as exc:
+                assert "use_collectives=False) with more than one process" in str(exc), exc
+    elif mode == "dtensor-load-racing":
+        # Rank 0 reads the latest step; the test commits another before rank 1 does.
+        read, committed = os.path.join(expected, "r0-read"), os.path.join(expected, "committed")
+
+        class Racing(tpde.dcp.Reader):
+            def read_metadata(self, *args, **kwargs):
+                while rank == 1 and not os.path.exists(committed):
+                    time.sleep(0.05)
+                meta = super().read_metadata(*args, **kwargs)
+                if rank == 0:
+                    open(read, "w").close()
+                return meta
+
+        state = dtensor_state(0, mesh, empty=True)
+        try:
+            dcp.load(state, storage_reader=Racing(run, None, storage_options=OPTIONS))
+            raise AssertionError("the ranks loaded different steps without a word")
+        except CheckpointException as exc:
+            assert "read different latest steps ([0, 1])" in str(exc), exc
+        same(gathered(state), gathered(dtensor_state(0, mesh, empty=True)))  # nothing loaded
+        dcp.load(state, storage_reader=reader(run, None))  # again: every rank reads step 1
+        same(gathered(state), torch.load(os.path.join(expected, "step1.pt")))
     elif mode == "sharded-tensor-save":
         for step in range(steps):
             dcp.save(sharded_tensor_state(step), storage_writer=writer(run, step))

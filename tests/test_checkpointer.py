@@ -545,6 +545,24 @@ def test_remove_rebases_what_reads_the_step_and_frees_it(tmp_path) -> None:
     assert len(os.listdir(tmp_path / "r" / "data")) == 2
 
 
+def test_a_step_removed_while_it_was_the_reference_goes_once_another_is_loaded(tmp_path) -> None:
+    """``load(2); remove(2)`` keeps step 2 (the next delta would be coded against it); once
+    ``load(4)`` makes step 4 the reference, nothing needs step 2, and its bytes go."""
+    url = str(tmp_path / "r")
+    with tpde.Checkpointer(url, keyframe_every=3) as ck:  # 0 key, 1, 2 deltas; 3 key, 4, 5
+        for step, state in sparse_states(6):
+            ck.save(step, state)
+    held = tpde.Checkpointer(url).chain.at_rest().total
+    ck = tpde.Checkpointer(url, keyframe_every=3)
+    ck.load(2)
+    assert ck.remove(2).purged_steps == []  # still the reference
+    ck.load(4)
+    assert 2 not in ck.chain.committed()  # purged: step 2 was needed by no step
+    ck.close()
+    rest = tpde.Checkpointer(url).chain.at_rest()
+    assert rest.as_dict()["hidden_steps"] == [] and rest.total < held
+
+
 def test_crash_leftovers_are_invisible_and_collected(tmp_path) -> None:
     url = str(tmp_path / "r")
     ck = tpde.Checkpointer(url)

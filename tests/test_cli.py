@@ -199,9 +199,40 @@ def test_errors_exit_1_and_usage_exits_2(run, tmp_path, capsys) -> None:
 def test_console_script_help_on_every_command() -> None:
     exe = shutil.which("tpde")
     assert exe, "the tpde console script is not installed"
-    for command in ("ls", "info", "restore", "verify", "gc"):
+    for command in ("ls", "info", "restore", "verify", "export", "gc", "repair"):
         done = subprocess.run([exe, command, "--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "--json" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "--help"]])
+def test_help_and_version_import_no_torch(argv) -> None:
+    """What makes them answer at once: neither ``import tpde`` nor the CLI's parsing imports
+    torch (or any command); a command imports it when it runs."""
+    script = ("import sys\nfrom tpde.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as exc:\n    code = exc.code\n"
+              "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('tpde.')))\n")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    imported = done.stdout.strip().splitlines()[-1]
+    assert imported == "['tpde.cli', 'tpde.cli.main', 'tpde.errors']", imported
+    assert "tpde" in done.stdout
+
+
+def test_the_public_names_load_when_used() -> None:
+    """``import tpde`` is cheap, and every name of ``__all__`` (and the package's modules) is
+    there when asked for; ``tpde.mount`` is the function, however its module was reached."""
+    script = ("import importlib, tpde\n"
+              "import tpde.mounting\n"
+              "assert callable(tpde.mount) and tpde.mount.__module__ == 'tpde.mounting'\n"
+              "assert all(getattr(tpde, n) is not None for n in tpde.__all__)\n"
+              "assert tpde.store.Store and tpde.dcp.load_full\n"
+              "try:\n    tpde.no_such_name\nexcept AttributeError as exc:\n"
+              "    print('refused', exc)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused module 'tpde' has no attribute 'no_such_name'" in done.stdout
 
 
 def _trained(tmp_path) -> tuple[str, torch.nn.Module, dict]:

@@ -128,3 +128,11 @@ def test_the_plugin_does_not_free_what_a_damaged_entry_names(folder) -> None:
     chain = tpde.Checkpointer(f"{folder}/{entry.CHAIN_DIR}").chain
     assert named["epoch=1.ckpt"] in chain.steps()
     assert named["epoch=0.ckpt"] not in chain.steps()  # the undamaged removal still frees
+
+
+def test_random_damage_to_a_folder_never_frees_a_named_step() -> None:
+    """The quick version of ``campaigns/corrupt_entries.py``: it checks each trial itself."""
+    from campaigns.corrupt_entries import campaign
+
+    stats = campaign(trials=15, seed=1)
+    assert stats["flip"] + stats["truncate"] > 10 and stats["repaired"] > 5

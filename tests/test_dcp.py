@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -28,10 +29,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
-          env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
-    """Run ``dcp_worker.py`` as ``world`` processes of one gloo group; with ``check`` every
-    rank must pass."""
+def start(world: int, *args: object, env: dict[str, str] | None = None
+          ) -> list[subprocess.Popen]:
+    """``dcp_worker.py`` started as ``world`` processes of one gloo group."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -40,6 +40,20 @@ def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
                "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
+          env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``dcp_worker.py`` as ``world`` processes of one gloo group; with ``check`` every
+    rank must pass."""
+    return finish(start(world, *args, env=env), args, timeout=timeout, check=check)
+
+
+def finish(procs: list[subprocess.Popen], args: tuple, *, timeout: float = 120,
+           check: bool = True) -> list[subprocess.CompletedProcess]:
+    """Wait for ranks started by ``start``."""
+    world = len(procs)
     done = []
     try:
         for p in procs:
@@ -95,6 +109,33 @@ def test_dtensor_steps_are_deltas_restore_exactly_and_reshard(tmp_path) -> None:
                if r.name.startswith("model.rows"))
     ranks(2, "dtensor-load", one, 1, want)
     ranks(2, "dtensor-load", one, "latest=1", want)
+
+
+def test_a_latest_load_never_mixes_steps_when_a_save_commits_meanwhile(tmp_path) -> None:
+    """``Reader(run)`` without a step: rank 0 resolves step 0, step 1 commits, then rank 1
+    resolves. The load is refused on every rank before anything is read; loading again reads
+    step 1 on both."""
+    run, want = str(tmp_path / "run"), tmp_path / "expected"
+    want.mkdir()
+    ranks(2, "dtensor-save", run, 1, want)
+    loading = start(2, "dtensor-load-racing", run, "latest=1", want)
+    deadline = time.monotonic() + 120
+    while not (want / "r0-read").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in loading), \
+            "rank 0 never read the metadata"
+        time.sleep(0.05)
+    ranks(1, "dtensor-save", run, "1:2", want)  # step 1 commits while the load is under way
+    (want / "committed").touch()
+    finish(loading, ("dtensor-load-racing",))
+
+
+def test_a_save_without_collectives_is_refused_on_two_ranks_and_whole_on_one(tmp_path) -> None:
+    run, want = str(tmp_path / "run"), tmp_path / "expected"
+    want.mkdir()
+    ranks(2, "dtensor-save-without-collectives", run, 0, want)
+    assert not os.path.exists(run)  # refused before anything was written
+    ranks(1, "dtensor-save-without-collectives", run, 0, want)
+    ranks(2, "dtensor-load", run, 0, want)
 
 
 def test_sharded_tensors_as_fsdp_saves_them(tmp_path) -> None:
@@ -249,9 +290,11 @@ def test_a_rank_that_fails_commits_nothing_and_the_next_save_works(tmp_path) -> 
     committed, and saving it again on every rank commits it."""
     run, want = str(tmp_path / "run"), tmp_path / "expected"
     want.mkdir()
-    done = ranks(2, "dtensor-save", run, 3, want, env={"TPDE_FAULT": "1,1,fail,2"})
+    done = ranks(2, "dtensor-save", run, 3, want, env={"TPDE_FAULT": "1,1,fail,1"})
     assert all("step 1 failed" in d.stdout for d in done)
-    assert "No space left on device" in done[0].stdout  # the coordinator names the cause
+    # The coordinator names rank 1's StoreError: the cause, and what to do.
+    assert "StoreError" in done[0].stdout and "No space left on device" in done[0].stdout
+    assert "every committed step is intact" in done[0].stdout
     assert Chain(run).steps() == [0, 1, 2]
     for step in (1, 2):
         ranks(2, "dtensor-load", run, step, want)

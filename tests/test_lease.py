@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -94,3 +95,55 @@ def test_cli_gc_waits_for_the_writer_unless_forced(tmp_path, capsys) -> None:
     assert main(["gc", url, "--grace", "0", "--force"]) == 0
     assert not (tmp_path / "run" / "lease.json").exists()
     ck.close()
+
+
+@pytest.mark.parametrize("takeover", [False, True])
+def test_of_two_writers_taking_the_lease_at_once_one_gets_it(store_url, takeover) -> None:
+    """Writer A has read the lease and not yet written it when writer B tries: taking the lease
+    is one step (a lock, or a conditional request), so exactly one of them holds it. With
+    ``takeover`` both mean to take it from whoever holds it: one ends holding it, and the
+    other is refused at its next write."""
+    from tpde.lease import Lease
+    from tpde.store import Store
+
+    url, opts = store_url
+    store = Store(url, opts)
+    if takeover:
+        Lease(store).acquire()  # a holder that both take the run from
+    a, b = Lease(store), Lease(store)
+    read, entered, go = a._read, threading.Event(), threading.Event()
+
+    def paused() -> tuple:
+        out = read()
+        entered.set()
+        go.wait(10)
+        return out
+
+    a._read = paused  # type: ignore[method-assign]
+    said: dict[str, str] = {}
+
+    def take(name: str, lease: Lease) -> None:
+        try:
+            lease.acquire(takeover=takeover)
+            said[name] = "held"
+        except tpde.WriterConflictError:
+            said[name] = "refused"
+
+    first = threading.Thread(target=take, args=("a", a))
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(target=take, args=("b", b))
+    second.start()
+    second.join(1.0)  # where a lock decides, B waits here for A
+    go.set()
+    first.join(30)
+    second.join(30)
+    holder = Lease(store).current()
+    assert holder is not None and holder.owner in (a.owner, b.owner)
+    if not takeover:
+        assert sorted(said.values()) == ["held", "refused"], said
+        assert holder.owner == (a if said["a"] == "held" else b).owner
+    else:  # one after the other is a takeover too; the one it was taken from learns it next
+        other = a if holder.owner == b.owner else b
+        with pytest.raises(tpde.WriterConflictError):
+            other.acquire()

@@ -243,6 +243,24 @@ def test_a_pattern_that_earlier_ones_shadow_is_refused(tmp_path) -> None:
     assert (back["model"]["fc.bias"] - bias).abs().max() <= 1e-6
 
 
+def test_a_tied_tensor_is_bounded_by_any_of_its_names(tmp_path) -> None:
+    """``lm_head.weight`` tied to the embeddings is stored once, under the first name; a
+    pattern naming the other still applies, and the two come back tied."""
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(64, 32, generator=g)
+    run = str(tmp_path / "run")
+    with tpde.Checkpointer(run, error_bound={"model/lm_head.weight": tpde.Abs(1e-4)}) as ck:
+        for step in range(2):
+            embed = embed + 1e-3 * torch.randn(64, 32, generator=g)
+            ck.save(step, {"model": {"embed.weight": embed, "lm_head.weight": embed}})
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", tpde.LossyWarning)
+        back = tpde.Checkpointer(run).load(1)["model"]
+    assert said and "within Abs(0.0001)" in str(said[0].message)
+    assert back["lm_head.weight"].data_ptr() == back["embed.weight"].data_ptr()
+    assert (back["lm_head.weight"] - embed).abs().max() <= 1e-4
+
+
 def test_lossy_steps_read_through_mounts_and_load_state_dict(tmp_path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

@@ -134,3 +134,51 @@ def test_ranges_from_a_server_that_ignores_range_are_cut_from_its_answer(tmp_pat
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_that_keeps_stalling_fails_within_the_retry_budget(failing, monkeypatch) -> None:
+    """Deadlines do not multiply into minutes: no attempt starts that could end past the
+    operation's budget (here 0.5 s, where six attempts would need 1.2 s)."""
+    monkeypatch.setattr(store, "OP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(store, "RETRY_BUDGET_S", 0.5)
+    ck = tpde.Checkpointer(failing)
+    ck.save(0, {"w": torch.ones(10)})
+    Failing.faults = ["put-stall"] * store.RETRIES
+    with pytest.raises(tpde.StoreError, match="may still complete"):
+        ck.save(1, {"w": torch.zeros(10)})
+    assert 1 <= len(Failing.stalled) < store.RETRIES
+
+
+def test_a_store_that_accepts_connections_and_never_answers_fails_at_once(monkeypatch) -> None:
+    """A server that takes the connection and says nothing (a wrong port, a hung proxy): the
+    first request's deadline ends it, with the same message as a refused connection, and no
+    retry waits out another deadline."""
+    import socket
+
+    pytest.importorskip("s3fs", reason="needs s3fs: pip install 'tpde[dev]'")
+    monkeypatch.setattr(store, "OP_TIMEOUT_S", 0.5)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])  # kept open, never answered
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{server.getsockname()[1]}"},
+               "key": "testing", "secret": "testing"}
+    try:
+        s = store.Store("s3://tpde/silent-run", options)
+        with pytest.raises(tpde.StoreError, match=r"nothing answers at its store.*no answer "
+                                                  r"within 0.5 s"):
+            s.exists("tpde.json")
+        assert len(held) == 1  # one request, not one per retry
+    finally:
+        server.close()
+        for conn in held:
+            conn.close()

@@ -3,68 +3,46 @@
 Keyframes plus temporal deltas of training state, lossless and hash-checked, in any fsspec store.
 """
 
+import importlib
 from typing import Any
-
-from .api import DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo, snapshot
-from .chain import GcReport, Problem
-from .entry import load_checkpoint, load_state_dict
-from .mount import Mount, mount
-from .quant import Abs, Bound, BoundError, Rel
-from .errors import (CorruptionError, FormatError, LossyWarning, NotARunError, StepExistsError,
-                     StepNotFoundError, StepPendingError, StoreError, TPDEError,
-                     UnsafeContentError, UnsupportedError, WriterConflictError)
-from tpde.plugins.hook import AttachHandle, attach
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "Abs",
-    "AttachHandle",
-    "Bound",
-    "BoundError",
-    "Checkpointer",
-    "CorruptionError",
-    "DEFAULT_KEYFRAME_EVERY",
-    "FormatError",
-    "Mount",
-    "GcReport",
-    "LossyWarning",
-    "NotARunError",
-    "Problem",
-    "Rel",
-    "StepExistsError",
-    "StepInfo",
-    "Snapshot",
-    "StepNotFoundError",
-    "StepPendingError",
-    "StoreError",
-    "TPDECheckpointIO",
-    "TPDEError",
-    "TPDEFSDPStrategy",
-    "TPDEModelParallelStrategy",
-    "UnsafeContentError",
-    "UnsupportedError",
-    "WriterConflictError",
-    "attach",
-    "load_checkpoint",
-    "load_state_dict",
-    "mount",
-    "snapshot",
-]
+#: Where each public name lives. Importing tpde imports none of them (nor torch): each is
+#: imported when first used, so that ``tpde --version`` and ``--help`` answer at once.
+_PUBLIC = {
+    **dict.fromkeys(("DEFAULT_KEYFRAME_EVERY", "Checkpointer", "Snapshot", "StepInfo",
+                     "snapshot"), "tpde.api"),
+    **dict.fromkeys(("GcReport", "Problem"), "tpde.chain"),
+    **dict.fromkeys(("load_checkpoint", "load_state_dict"), "tpde.entry"),
+    **dict.fromkeys(("Mount", "mount"), "tpde.mounting"),
+    **dict.fromkeys(("Abs", "Bound", "BoundError", "Rel"), "tpde.quant"),
+    **dict.fromkeys(("CorruptionError", "FormatError", "LossyWarning", "NotARunError",
+                     "StepExistsError", "StepNotFoundError", "StepPendingError", "StoreError",
+                     "TPDEError", "UnsafeContentError", "UnsupportedError",
+                     "WriterConflictError"), "tpde.errors"),
+    **dict.fromkeys(("AttachHandle", "attach"), "tpde.plugins.hook"),
+    # Lightning is an optional dependency, imported only when its plugins are asked for.
+    "TPDECheckpointIO": "tpde.plugins.lightning",
+    **dict.fromkeys(("TPDEModelParallelStrategy", "TPDEFSDPStrategy"),
+                    "tpde.plugins.lightning_sharded"),
+}
+
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
-    # Lightning is an optional dependency, imported only when its plugins are asked for.
-    if name == "TPDECheckpointIO":
-        from tpde.plugins.lightning import TPDECheckpointIO
-
-        return TPDECheckpointIO
-    if name in ("TPDEModelParallelStrategy", "TPDEFSDPStrategy"):
-        from tpde.plugins import lightning_sharded
-
-        return getattr(lightning_sharded, name)
-    if name == "dcp":  # torch.distributed.checkpoint's storage layer, imported when asked for
-        import importlib
-
-        return importlib.import_module("tpde.dcp")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # looked up once
+        return value
+    try:  # a module of the package, e.g. tpde.dcp (torch.distributed.checkpoint's storage)
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
     raise AttributeError(f"module 'tpde' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

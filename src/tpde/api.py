@@ -221,7 +221,7 @@ class Checkpointer:
         owned = isinstance(state, Snapshot)
         flat = state.flat if owned else tree.flatten(state)
         if self.bounds is not None and not self._bounds_checked:
-            self.bounds.check(span.name for span in flat.spans)
+            self.bounds.check(n for span in flat.spans for n in span.names)
             self._bounds_checked = True
         self._writing()
         counted, self._run_bytes = self._run_bytes, None  # until this save is counted
@@ -272,7 +272,9 @@ class Checkpointer:
                                    keep_words=False)
         # The state's tensors are the restored words themselves, not a copy beside a kept one:
         # the next save reads its reference back from the chain.
-        self._reference = Reference(step, {}, held=False)
+        former, self._reference = self._reference, Reference(step, {}, held=False)
+        if former is not None and former.step != step and self.lease.held:
+            self._collect_hidden(former.step)  # removed while it was the reference: it goes now
         return state
 
     def steps(self) -> list[int]:

@@ -16,6 +16,9 @@ from .entry import (CHAIN_DIR, MAX_ENTRY_BYTES, CheckpointEntry, PendingEntry, f
 from .errors import FormatError, TPDEError
 from .store import Store
 
+#: In every entry's JSON member, which is stored uncompressed: a file that holds it was one.
+MARK = b'"format": "tpde-entry"'
+
 #: Entries already read, by URL and a version that changes with every rewrite (an ETag or
 #: generation on object stores, inode and mtime on disk): a writer that collects after every
 #: save reads each entry once, not once per save.
@@ -64,9 +67,12 @@ def _listed(url: str, storage_options: dict[str, Any] | None) -> Any:
     if len(data) < 4 and b"PK\x03\x04".startswith(data):
         return Damaged(f"cut to {len(data)} bytes", data)  # no checkpoint of any kind is this short
     try:
-        return parse_any(data, where=url)
+        found = parse_any(data, where=url)
     except FormatError as exc:
         return Damaged(exc.detail, data)
+    if found is None and MARK in data:  # an entry whose archive no longer reads as one
+        return Damaged("not a readable archive any more", data)
+    return found
 
 
 def survey(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,

@@ -96,7 +96,8 @@ def Rel(r: float) -> Bound:  # noqa: N802
 
 class Bounds:
     """Which bound each tensor is saved under: the first ``fnmatch`` pattern (over the names
-    ``tpde info`` prints, e.g. ``model/fc.weight``) that matches it; None where none does."""
+    ``tpde info`` prints, e.g. ``model/fc.weight``, and for tied tensors any of their names)
+    that matches it; None where none does."""
 
     def __init__(self, patterns: Mapping[str, Bound]) -> None:
         if not isinstance(patterns, Mapping) or not patterns:
@@ -107,13 +108,15 @@ class Bounds:
                 raise BoundError(f"error_bound[{pattern!r}] = {bound!r}: keys are name "
                                  "patterns, values tpde.Abs(...) or tpde.Rel(...)")
         self.patterns = dict(patterns)
-        self._cache: dict[str, Bound | None] = {}
+        self._cache: dict[tuple[str, ...], Bound | None] = {}
 
-    def __call__(self, name: str) -> Bound | None:
-        if name not in self._cache:
-            self._cache[name] = next((b for p, b in self.patterns.items()
-                                      if fnmatch.fnmatchcase(name, p)), None)
-        return self._cache[name]
+    def __call__(self, name: str, *also: str) -> Bound | None:
+        """The bound of the tensor ``name`` (``also``: the names of tensors tied to it)."""
+        key = (name, *also)
+        if key not in self._cache:
+            self._cache[key] = next((b for p, b in self.patterns.items()
+                                     if any(fnmatch.fnmatchcase(n, p) for n in key)), None)
+        return self._cache[key]
 
     def check(self, names: Iterable[str]) -> None:
         """Refuse patterns that would not mean what they say on ``names``: one that matches

@@ -27,9 +27,11 @@ _INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "ab
 T = TypeVar("T")
 #: Attempts per remote operation and the backoff between them (doubling, with jitter).
 RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
-#: A remote operation that has not answered after OP_TIMEOUT_S plus its bytes at MIN_RATE
-#: (bytes/s) counts as failed: a server that stops answering ends in a StoreError, not a hang.
-OP_TIMEOUT_S, MIN_RATE = 120.0, 1 << 20
+#: A remote attempt that has not answered after OP_TIMEOUT_S plus its bytes at MIN_RATE
+#: (bytes/s) counts as failed, and an operation's retries stop once RETRY_BUDGET_S (plus its
+#: bytes at MIN_RATE) would be passed: a server that stops answering ends in a StoreError
+#: within the budget, and one that never answered fails at its first deadline.
+OP_TIMEOUT_S, RETRY_BUDGET_S, MIN_RATE = 20.0, 60.0, 1 << 20
 #: A local blob's written bytes are handed to the disk every WRITEBACK_BYTES, while the rest is
 #: still being coded, so that the fsync before its commit has little left to wait for
 #: (200 MB keyframe: the fsync took 55-90 ms, 5-6 ms with this). Every 16 MiB left a small
@@ -48,7 +50,12 @@ WRITE_PARTS = 1024
 
 
 _UNREACHABLE = ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
-                "gaierror", "NameResolutionError", "ConnectTimeoutError", "InvalidURL")
+                "gaierror", "NameResolutionError", "ConnectTimeoutError", "InvalidURL",
+                "StoreTimeout")
+
+
+class StoreTimeout(TimeoutError):
+    """A remote attempt that did not answer by its deadline."""
 
 
 def cannot_connect(exc: BaseException | None) -> bool:
@@ -85,7 +92,7 @@ def _bounded(op: Callable[[], T], nbytes: int = 0) -> T:
 
     threading.Thread(target=run, name="tpde-store", daemon=True).start()
     if not done.wait(limit):
-        raise TimeoutError(f"no answer within {limit:.0f} s (it may still complete)")
+        raise StoreTimeout(f"no answer within {limit:.3g} s (it may still complete)")
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -137,17 +144,22 @@ class Store:
     def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
 
-        A missing object is an answer, not a failure; local disks are not retried (their errors
+        A missing object (or an existing one, to an exclusive create) is an answer, not a
+        failure; local disks are not retried (their errors
         are not transient). Remote attempts have a deadline (``OP_TIMEOUT_S`` plus ``nbytes`` at
-        ``MIN_RATE``). Any other backend exception ends as a ``StoreError``.
+        ``MIN_RATE``), and no attempt starts that could end past ``RETRY_BUDGET_S``; a store that
+        has not answered once since it was opened is not retried after a failed connection or
+        a deadline. Any other backend exception ends as a ``StoreError``.
         """
         attempts = 1 if self.local else RETRIES
+        started = time.monotonic()
+        budget = RETRY_BUDGET_S + nbytes / MIN_RATE
         for attempt in range(attempts):
             try:
                 value = op() if self.local else _bounded(op, nbytes)
                 self.answered = True
                 return value
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):  # answers (an exclusive create's)
                 self.answered = True
                 raise
             except Exception as exc:  # backends raise OSError, timeouts, aiohttp/botocore errors
@@ -158,8 +170,11 @@ class Store:
                     # instead of retrying for a minute.
                     raise unreachable(self.url, exc) from exc
                 if attempt + 1 < attempts:
-                    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt)
-                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** attempt) * (0.5 + random.random())
+                    spent = time.monotonic() - started + delay
+                    if spent + OP_TIMEOUT_S + nbytes / MIN_RATE > budget:
+                        break  # another attempt could outlast the budget
+                    time.sleep(delay)
         raise StoreError(f"cannot {what} {self.url}: {type(last).__name__}: {last}") from last
 
     def _abs(self, rel: str) -> str:
@@ -468,12 +483,15 @@ class BlobWriter:
             self._handed = self._written
 
     def close(self) -> None:
-        """Make the bytes durable (fsync locally; the final multipart PUT on object stores)."""
+        """Make the bytes durable (fsync locally, and of the folder, so that the file's name
+        survives a power loss before a manifest names it; the final multipart PUT on object
+        stores)."""
         try:
             if self.store.local:
                 self._flush()
                 os.fsync(self._f.fileno())
                 self._f.close()
+                _fsync_dir(os.path.dirname(self.store._abs(self.rel)))
             else:  # the last part and the completing request
                 _bounded(self._f.close, self.size)
         except Exception as exc:  # remote backends also raise timeouts and client errors

@@ -36,6 +36,13 @@ class Span:
     device: str
     #: A pack (``pack``): how many small spans it holds end to end (0: one storage).
     parts: int = 0
+    #: The other names of tensors that view this storage (tied weights): a span is named by
+    #: its first tensor, and error-bound patterns may name it by any of them.
+    also: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.also)
 
 
 @dataclass
@@ -164,7 +171,9 @@ def _group(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Span], dict[in
         while name in names:  # keys 1 and "1" share a path; names must stay unique
             name += "'"
         names.add(name)
-        spans.append(Span(name, span, str(first.device)))
+        also = tuple(dict.fromkeys(p.lstrip("/") for p, _ in (tensors[i] for i in members[1:])
+                                   if p.lstrip("/") != name))
+        spans.append(Span(name, span, str(first.device), also=also))
         for i in members:
             t = tensors[i][1]
             views[i] = {
@@ -185,7 +194,7 @@ PACKABLE = frozenset((torch.float64, torch.float32, torch.float16, torch.bfloat1
                       torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool))
 
 
-def pack(flat: Flat, below: int, most: int, apart: Callable[[str], bool] | None = None) -> Flat:
+def pack(flat: Flat, below: int, most: int, apart: Callable[[Span], bool] | None = None) -> Flat:
     """``flat`` with its spans of fewer than ``below`` bytes joined end to end into packs of at
     most ``most`` bytes, by top-level key, device and dtype: each a span of its own, named
     ``<key>/<pack dtype>``, which the skeleton's tensors view by their ``part`` (where their
@@ -194,15 +203,15 @@ def pack(flat: Flat, below: int, most: int, apart: Callable[[str], bool] | None 
 
     A checkpoint holds many tiny tensors (biases, norms, their optimizer moments, Adam's step
     counts: 153 of G's 211), and a save spends about as much on each as on a tensor of 64 KiB;
-    packed, G's saves and removals took 24% less time. ``apart`` keeps spans out by name (those
-    saved under an error bound); a span that is a pack already stays as it is."""
+    packed, G's saves and removals took 24% less time. ``apart`` keeps spans out (those saved
+    under an error bound); a span that is a pack already stays as it is."""
     groups: dict[tuple[str, str, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[str, str, torch.dtype], int] = {}  # bytes in each group's last pack
     for i, s in enumerate(flat.spans):
         t = s.tensor
         size = t.numel() * t.element_size()
         if s.parts or t.dtype not in PACKABLE or not 0 < size < below \
-                or (apart is not None and apart(s.name)):
+                or (apart is not None and apart(s)):
             continue
         key = (s.name.split("/", 1)[0] if "/" in s.name else "", s.device, t.dtype)
         runs = groups.setdefault(key, [])

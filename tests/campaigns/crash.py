@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpde  # noqa: E402
 from campaigns.common import build, state_at  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde import store  # noqa: E402
+from tpde import exclusive, store  # noqa: E402
 
 #: Everything tpde does that touches a store passes through one of these.
 EVENTS = [(store.BlobWriter, "write"), (store.BlobWriter, "close"), (store.Store, "put_atomic"),
-          (store.Store, "delete"), (os, "fsync"), (os, "replace")]
+          (store.Store, "delete"), (exclusive, "create"), (os, "fsync"), (os, "replace"),
+          (os, "link")]
 
 
 def arm(kill_at: int) -> list[int]:

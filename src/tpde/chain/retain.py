@@ -241,7 +241,7 @@ class Retainer(Writer):
 
     def _replace(self, old: Manifest, new: Manifest) -> None:
         """Commit a rewritten manifest, then delete the blob it no longer uses."""
-        self.commit(new)
+        self.commit(new, new=False)
         for blob in set(old.blobs()) - set(new.blobs()):
             self.store.delete(blob)
 

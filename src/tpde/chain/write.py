@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .. import codec, dtypes, frame_threads, frames, quant, transform, tree
+from .. import codec, dtypes, exclusive, frame_threads, frames, quant, transform, tree
 from ..errors import StepExistsError, TPDEError
 from ..manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
 from ..store import BlobWriter
@@ -123,13 +123,25 @@ class Writer(Reader):
         self.store.put_atomic(MARKER, json.dumps(marker).encode())
         self._known_run, self._against = True, against
 
-    def commit(self, m: Manifest) -> Manifest:
-        """Write ``m`` (its blob is durable): the step is visible, or rewritten, from here on.
-        A failed local write deletes the blob (a failed rename is final; a remote PUT may
-        still land)."""
+    def commit(self, m: Manifest, *, new: bool) -> Manifest:
+        """Write ``m`` (its blob is durable): the step is visible (``new``), or rewritten (a
+        re-base), from here on. A new step's manifest is created only where none is: of two
+        writers committing one step at the same moment, one gets ``StepExistsError`` and its
+        blob is deleted. A failed local write deletes the blob (a failed rename is final; a
+        remote PUT may still land)."""
         data = m.to_bytes()
         try:
-            self.store.put_atomic(manifest_path(m.step), data)
+            if new:
+                exclusive.create(self.store, manifest_path(m.step), data)
+            else:
+                self.store.put_atomic(manifest_path(m.step), data)
+        except FileExistsError:
+            for blob in [m.blob, *(s["blob"] for s in m.shards or ())]:
+                if blob:
+                    self.store.delete(blob)
+            raise StepExistsError("was committed by another writer while this one saved it; "
+                                  "this save wrote nothing (two jobs save into this run: give "
+                                  "each its own run)", run=self.url, step=m.step) from None
         except TPDEError as exc:
             before = self._manifests.get(m.step)  # a re-base keeps its old blob until it commits
             if self.store.local and m.blob and (before is None or before.blob != m.blob):
@@ -172,7 +184,7 @@ class Writer(Reader):
         bound = max(1, max_inflight_bytes // 2)
         # No larger than a piece: a pack is never cut.
         flat = tree.pack(flat, PACK_BELOW, min(PACK_MOST, PIECE_BYTES, bound),
-                         None if bounds is None else lambda n: bounds(n) is not None)
+                         None if bounds is None else lambda s: bounds(*s.names) is not None)
         if reference is not None and reference.step == step:
             reference = None  # a hidden step purged to take its number again: a keyframe
         self.mark_run(against)
@@ -217,7 +229,7 @@ class Writer(Reader):
 
         def bound_of(piece: Piece) -> quant.Bound | None:
             """A pack holds no bounded span, whatever its name matches (``tree.pack``)."""
-            return bounds(piece.span.name) if bounds is not None and not piece.span.parts \
+            return bounds(*piece.span.names) if bounds is not None and not piece.span.parts \
                 else None
 
         def same(piece: Piece, dt: dtypes.DType, host: torch.Tensor | None,
@@ -397,7 +409,7 @@ class Writer(Reader):
             records=records, format=format_for(records),
         )
         m.seconds = time.perf_counter() - started
-        m = self.commit(m)
+        m = self.commit(m, new=True)
         return m, Reference(step, new_words, held=keep_reference, choices=choices, at=held_at,
                             since=since_key)
 

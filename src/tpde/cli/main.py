@@ -9,17 +9,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from .. import __version__, checkpoint_folder
-from .. import entry as entries
-from . import show
-from ..chain import Chain
+from .. import __version__
 from ..errors import TPDEError
-from .inspect import cmd_info, cmd_ls, cmd_verify
-from .write import cmd_export, cmd_gc, cmd_repair, cmd_restore
 
-err = show.err
+if TYPE_CHECKING:
+    from ..chain import Chain
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -100,13 +96,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-COMMANDS = {"ls": cmd_ls, "info": cmd_info, "restore": cmd_restore, "verify": cmd_verify,
-            "export": cmd_export, "gc": cmd_gc, "repair": cmd_repair}
+def command(name: str) -> Callable[[Chain, argparse.Namespace], int]:
+    """The function of command ``name``. The commands (and torch) are imported once one runs:
+    ``--help`` and ``--version`` answer without them."""
+    from . import inspect, write
+
+    return {"ls": inspect.cmd_ls, "info": inspect.cmd_info, "restore": write.cmd_restore,
+            "verify": inspect.cmd_verify, "export": write.cmd_export, "gc": write.cmd_gc,
+            "repair": write.cmd_repair}[name]
 
 
 def _resolve(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Chain, str | None]:
     """The chain RUN names and, for a checkpoint folder, the folder; an entry sets ``--step``."""
-    chain, step, folder = entries.resolve(args.run, options)
+    from .. import checkpoint_folder, entry
+
+    chain, step, folder = entry.resolve(args.run, options)
     given = getattr(args, "step", None)
     if given is None:
         args.step = step
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))  # wrong usage: exit status 2
     try:
         chain, args.entries = _resolve(args, args.options)
-        return COMMANDS[args.command](chain, args)
+        return command(args.command)(chain, args)
     except BrokenPipeError:
         # The reader stopped early (`tpde ls RUN | head`): what it read is all it wanted. The
         # rest of the output goes nowhere, so that the exit's flush raises nothing either.
@@ -140,5 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except TPDEError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        from .show import err
+
         err.print(f"tpde: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1
