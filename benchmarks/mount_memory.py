@@ -74,7 +74,8 @@ def _rss_kb(field: str) -> int:
 
 def measure(folder: str, case: str, dtype: str, size: str) -> None:
     """In a fresh process: the peak rise of resident memory over one forward."""
-    import tpde  # noqa: F401  (imported before the baseline, as a user's script has it)
+    import tpde
+    from tpde import mount  # noqa: F401  (imported before the baseline, as a user's script has it)
     from tpde.frame_threads import usable_cpus
 
     torch.manual_seed(1)
