@@ -899,3 +899,24 @@ def test_a_key_margin_that_could_store_deltas_larger_than_keyframes_is_refused(t
                                                                                margin) -> None:
     with pytest.raises(ValueError, match="key_margin"):
         tpde.Checkpointer(str(tmp_path / "r"), key_margin=margin)
+
+
+def test_a_saved_object_only_a_trusted_load_reads_is_named_at_save_time(tmp_path) -> None:
+    run = str(tmp_path / "run")
+    state = {"w": torch.ones(3), "arr": np.arange(3), "net": {"layer": torch.nn.Linear(2, 2)},
+             "plain": {"lr": 0.1, "betas": (0.9, 0.99), "name": "adam"}}
+    with tpde.Checkpointer(run) as ck, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        ck.save(0, state)
+        ck.save(1, state)  # said once a run and object, not at every save
+    told = [str(w.message) for w in said if w.category is tpde.UnsafeContentWarning]
+    assert len(told) == 2, told
+    assert "step 0: 'arr'" in told[0] and "numpy" in told[0] and "trusted=True" in told[0]
+    assert "'net/layer'" in told[1] and "torch.nn.modules.linear.Linear" in told[1]
+    with pytest.raises(tpde.UnsafeContentError):  # as the warning said
+        tpde.Checkpointer(run).load(1)
+    back = tpde.Checkpointer(run).load(1, trusted=True)
+    assert np.array_equal(back["arr"], state["arr"])
+    with tpde.Checkpointer(str(tmp_path / "clean")) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")  # plain data is stored without a word
+        ck.save(0, {"w": torch.ones(3), "plain": state["plain"]})

@@ -66,6 +66,24 @@ def test_gc_on_a_mistyped_s3_path_writes_nothing(s3_server) -> None:
     assert not fs.find(typo)  # no lease.json written (and deleted) there
 
 
+@pytest.mark.s3
+def test_saving_into_a_bucket_that_does_not_exist_says_so(s3_server, tmp_path) -> None:
+    options = s3_server["options"]
+    with pytest.raises(tpde.StoreError, match=r"s3://no-such-bucket/run.*bucket does not "
+                                              r"exist.*Create the bucket"):
+        tpde.Checkpointer("s3://no-such-bucket/run", storage_options=options).save(
+            0, {"w": torch.ones(4)})
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    local = str(tmp_path / "run")
+    with tpde.Checkpointer(local) as ck:
+        ck.save(0, {"w": torch.ones(4)})
+    done = tpde_cli("export", local, "--step", "0", "--to", "s3://no-such-bucket/copy",
+                    "-o", f"client_kwargs.endpoint_url={endpoint}", "-o", "key=testing",
+                    "-o", "secret=testing")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "Create the bucket" in done.stderr
+
+
 def test_a_store_that_does_not_answer_is_named_as_typed(free_port) -> None:
     url = "s3://tpde/my-run"
     done = tpde_cli("ls", url, "-o", f"client_kwargs.endpoint_url=http://127.0.0.1:{free_port}",

@@ -326,6 +326,62 @@ def test_prefix_container_factory_and_meta_model(tmp_path) -> None:
         assert torch.equal(model(x), net(x))
 
 
+@pytest.mark.parametrize("budget", [None, 0])
+def test_a_mounted_model_moved_to_bf16_computes_as_the_dense_one_in_bf16(encoder_chain,
+                                                                         budget) -> None:
+    run, folder = encoder_chain
+    reference = dense(folder, 2).to(torch.bfloat16)
+    model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=budget)
+    with torch.no_grad():
+        model(**BATCH)  # weights decoded (and held at budget None) before the move
+        assert model.to(torch.bfloat16) is model
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert model.position_ids.dtype == torch.int64  # what .to(dtype) leaves alone
+        out = model(**BATCH)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, reference(**BATCH))
+        assert torch.equal(model.float()(**BATCH), dense(folder, 2)(**BATCH))
+    model.tpde_mount.close()
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_a_write_into_mounted_weights_is_refused_at_the_next_forward(encoder_chain,
+                                                                      budget) -> None:
+    run, folder = encoder_chain
+    model = tpde.mount(run, 1, fresh_encoder, device="cpu", budget=budget)
+    with torch.no_grad():
+        expected = model(**BATCH)
+        model.blocks[1]["up"].weight.mul_(2)  # held at budget None, a placeholder at 0
+        with pytest.raises(tpde.TPDEError, match=r"read-only.*'blocks\.1\.up\.weight'.*"
+                                                 r"load_state_dict") as err:
+            model(**BATCH)
+    assert err.value.step == 1
+    again = tpde.mount(run, 1, fresh_encoder, device="cpu", budget=budget)
+    with torch.no_grad():
+        again(**BATCH)
+        with pytest.raises(tpde.TPDEError, match="read-only: load_state_dict"):
+            again.load_state_dict(dense(folder, 0).state_dict())  # would copy into them
+        assert torch.equal(again(**BATCH), expected)  # nothing was written
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_state_dict_of_a_mount_holds_the_weights_at_any_budget(encoder_chain, budget) -> None:
+    run, folder = encoder_chain
+    reference = dense(folder, 2)
+    model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=budget)
+    for _ in range(2):  # before any forward, and after one
+        state = model.state_dict()
+        assert state.keys() == reference.state_dict().keys()
+        # (packed small tensors view one storage in a mount: equal values are the contract)
+        assert all(torch.equal(v, reference.state_dict()[k]) for k, v in state.items())
+        block = model.blocks[0].state_dict()
+        assert all(torch.equal(v, reference.blocks[0].state_dict()[k]) for k, v in block.items())
+        with torch.no_grad():
+            assert torch.equal(model(**BATCH), reference(**BATCH))
+    held = {p.device.type for p in model.parameters()}
+    assert held == ({"meta"} if budget == 0 else {"cpu"})  # state_dict() held nothing back
+    model.tpde_mount.close()
+
+
 def test_export_writes_a_standalone_keyframe(tmp_path) -> None:
     run, out = str(tmp_path / "run"), str(tmp_path / "exported")
     w = torch.randn(64, 64)

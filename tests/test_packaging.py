@@ -38,7 +38,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info", "build")
     for folder in ("src", "plugins", "kernels"):
@@ -95,3 +95,50 @@ def test_a_run_is_saved_restored_and_listed_from_the_wheel_alone(wheel: pathlib.
     assert done.returncode == 0, done.stderr
     listed = json.loads(done.stdout)
     assert [s["step"] for s in listed["steps"]] == [0, 1]
+
+
+def test_the_wheel_holds_built_stripped_extensions_not_their_sources(wheel: pathlib.Path
+                                                                      ) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        assert not [n for n in names if n.endswith((".c", ".h"))]
+        built = [n for n in names if n.endswith(".so")]
+        assert built, "no extension was built (is a C compiler here?)"
+        for name in built:
+            assert b".debug_info" not in z.read(name), f"{name} is not stripped"
+        assert any(n.endswith("licenses/LICENSE") for n in names)
+
+
+def test_an_install_without_its_extensions_says_so_once_and_works(tmp_path: pathlib.Path
+                                                                  ) -> None:
+    """What an install made where no compiler was found holds: the modules, no extensions."""
+    site = tmp_path / "site"
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "*.c", "*.h")
+    for src, dest in MAPPED.items():
+        shutil.copytree(ROOT / src, site / dest, ignore=skip)
+    # Only the copy: not the editable install's finder, which maps the tree's built files.
+    alone = textwrap.dedent(f"""
+        import sys
+        sys.meta_path = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", ""))]
+        sys.path.insert(0, {str(site)!r})
+    """)
+    version = subprocess.run([sys.executable, "-c", alone + "from tpde.cli import main; main()",
+                              "--version"], capture_output=True, text=True, timeout=300)
+    assert version.returncode == 0, version.stderr
+    assert "without the C extensions _elias, _planes, _zframes, _rebuild" in version.stdout
+    script = alone + textwrap.dedent(f"""
+        import torch, tpde
+        with tpde.Checkpointer({str(tmp_path / "run")!r}) as ck:
+            ck.save(0, {{"w": torch.arange(4096.0)}})
+            ck.save(1, {{"w": torch.arange(4096.0) + (torch.arange(4096) % 7 == 0)}})
+        back = tpde.Checkpointer({str(tmp_path / "run")!r}).load(1)
+        assert torch.equal(back["w"], torch.arange(4096.0) + (torch.arange(4096) % 7 == 0))
+        assert tpde.__file__.startswith({str(site)!r})
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("installed without its C extension") == 1, done.stderr
+    built = subprocess.run([sys.executable, "-m", "tpde.cli", "--version"],
+                           capture_output=True, text=True, timeout=300)
+    assert "C extensions built" in built.stdout, built.stdout

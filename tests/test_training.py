@@ -78,7 +78,9 @@ def test_attach_on_s3_then_cli_restores_every_step_bit_exactly(s3_server, tmp_pa
         out = tmp_path / f"{step}.pt"
         done = cli("restore", url, "--step", str(step), "--output", str(out), storage=opts)
         assert done.returncode == 0, done.stderr
-        assert_same(state, torch.load(out, weights_only=True))
+        restored = torch.load(out, weights_only=True)
+        assert set(restored.pop("rng")) == {"python", "numpy", "torch"}  # (checked on resume)
+        assert_same(state, restored)
     verify = cli("verify", url, "--json", storage=opts)
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"], verify.stdout
 
@@ -121,3 +123,95 @@ def test_attach_resume_on_a_run_saved_without_an_optimizer_says_what_is_missing(
         tpde.attach(model, opt, run, every_n_steps=1, resume=True)
     with tpde.Checkpointer(run) as ck:  # the refused attach left no writer behind
         ck.save(2, {"model": model.state_dict(), "step": 2})
+
+
+class _Net(torch.nn.Module):
+    """Batch norm (buffers a forward changes) and dropout (draws from torch's generator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.BatchNorm1d(16),
+                                        torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                        torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _loop(seed: int):
+    torch.manual_seed(seed)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    return model, opt, sched, scaler
+
+
+def _train(model, opt, sched, scaler, iterations: range) -> None:
+    import random
+
+    import numpy as np
+    for _ in iterations:
+        # Data drawn from all three generators: a resume that put one back wrong differs.
+        x = torch.randn(8, 4) * (1 + random.random()) + float(np.random.rand())
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def _everything(model, opt, sched, scaler) -> dict:
+    import random
+
+    import numpy as np
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                          "scheduler": sched.state_dict(), "scaler": scaler.state_dict(),
+                          "torch": torch.get_rng_state(), "python": random.getstate(),
+                          "numpy": np.random.get_state()[1].tolist()})
+
+
+def test_a_resumed_loop_ends_as_the_uninterrupted_one(tmp_path) -> None:
+    import random
+
+    import numpy as np
+
+    def seeded() -> None:
+        torch.manual_seed(7)
+        random.seed(7)
+        np.random.seed(7)
+
+    whole = _loop(0)
+    seeded()
+    _train(*whole, range(10))
+    expected = _everything(*whole)
+
+    run = str(tmp_path / "run")
+    first = _loop(0)
+    seeded()
+    handle = tpde.attach(first[0], first[1], run, every_n_steps=3, scheduler=first[2],
+                         scaler=first[3])
+    _train(*first, range(7))  # steps 3 and 6 are saved as steps 4 and 7 begin
+    handle.checkpointer.close()  # the job stops here, before step 7 could be saved
+    assert tpde.Checkpointer(run).steps() == [3, 6]
+
+    again = _loop(1)  # other weights, and the generators wherever they are
+    torch.manual_seed(99)
+    random.seed(99)
+    resumed = tpde.attach(again[0], again[1], run, every_n_steps=3, scheduler=again[2],
+                          scaler=again[3], resume=True)
+    assert resumed.step == 6
+    _train(*again, range(resumed.step, 10))
+    resumed.remove()  # saves step 9, still due
+    assert_same(_everything(*again), expected)
+    assert tpde.Checkpointer(run).steps() == [3, 6, 9]
+
+    other = str(tmp_path / "without")
+    plain = _loop(2)
+    without = tpde.attach(plain[0], plain[1], other, every_n_steps=1)
+    without.save_now()
+    without.remove()
+    with pytest.raises(tpde.UnsupportedError, match="needs the step's 'scheduler'"):
+        tpde.attach(plain[0], plain[1], other, every_n_steps=1, scheduler=plain[2],
+                    resume=True)

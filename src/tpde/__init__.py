@@ -19,7 +19,8 @@ _PUBLIC = {
     **dict.fromkeys(("Abs", "Bound", "BoundError", "Rel"), "tpde.quant"),
     **dict.fromkeys(("CorruptionError", "FormatError", "LossyWarning", "NotARunError",
                      "StepExistsError", "StepNotFoundError", "StepPendingError", "StoreError",
-                     "TPDEError", "UnsafeContentError", "UnsupportedError",
+                     "TPDEError", "UnsafeContentError", "UnsafeContentWarning",
+                     "UnsupportedError",
                      "WriterConflictError"), "tpde.errors"),
     **dict.fromkeys(("AttachHandle", "attach"), "tpde.plugins.hook"),
     # Lightning is an optional dependency, imported only when its plugins are asked for.

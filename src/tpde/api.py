@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -14,6 +15,7 @@ from . import codec, dtypes, frames, quant, transform, tree
 from .heap import Trims
 from .chain import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, PREVIOUS, Chain, GcReport, Problem,
                     Reference)
+from .errors import UnsafeContentWarning
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .manifest import Manifest, collector_paused
 
@@ -210,6 +212,10 @@ class Checkpointer:
         # The C heap, trimmed after a save once it holds max_inflight_bytes more free than
         # after this writer's last trim.
         self._trims = Trims()
+        #: Stored objects already checked against the weights-only unpickler, and what was
+        #: said of them (``_say_untrusted``).
+        self._pickles: dict[int, str | None] = {}
+        self._refused: set[tuple[str, str]] = set()
 
     def _writing(self) -> None:
         """Hold or renew the run's writer lease before changing anything."""
@@ -220,6 +226,7 @@ class Checkpointer:
         """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``)."""
         owned = isinstance(state, Snapshot)
         flat = state.flat if owned else tree.flatten(state)
+        self._say_untrusted(step, flat)
         if self.bounds is not None and not self._bounds_checked:
             self.bounds.check(n for span in flat.spans for n in span.names)
             self._bounds_checked = True
@@ -245,6 +252,20 @@ class Checkpointer:
             self._run_bytes = kept_up if kept_up is not None else self.chain.at_rest().total
             self._counted = self.chain.store.changes
         return StepInfo.of(manifest, self._run_bytes)
+
+    def _say_untrusted(self, step: int, flat: tree.Flat) -> None:
+        """Warn, once a run and object, of what only a trusted load will read back."""
+        for where, refused in tree.refused_pickles(flat.skeleton, self._pickles):
+            if (where, refused) in self._refused:
+                continue
+            self._refused.add((where, refused))
+            warnings.warn(UnsafeContentWarning(
+                f"run {self.run!r}, step {step}: {where!r} is stored as a pickled Python object "
+                f"({refused}), which torch's weights-only unpickler refuses, so loading it will "
+                "need trusted=True (CLI: --trusted; Lightning: weights_only=False), or "
+                f"torch.serialization.add_safe_globals([{refused}]). Store tensors, numbers, "
+                "strings, lists and dicts instead (a model's state_dict(), not the model)"),
+                stacklevel=4)  # past the collector's wrapper, to the caller of save
 
     def _collect_hidden(self, former: int) -> None:
         """A step removed while it was this writer's reference goes once it no longer is."""

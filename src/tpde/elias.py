@@ -22,12 +22,12 @@ import struct
 
 import numpy as np
 
+from . import extensions
 from .errors import FormatError
 
-try:  # the same coder in C (_elias.c), built with the package where a compiler is found
-    from . import _elias as native
-except ImportError:  # pragma: no cover - a build without a C compiler codes with numpy
-    native = None
+# The same coder in C (_elias.c), built with the package where a compiler is found; else
+# numpy's.
+native = extensions.load("_elias")
 
 HEADER = struct.Struct("<QIIQ")
 DEFAULT_BLOCK = 256

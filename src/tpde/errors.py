@@ -81,3 +81,8 @@ class WriterConflictError(TPDEError):
 class LossyWarning(UserWarning):
     """A restored step was saved under an error bound: its values are within the bound of the
     saved ones, not bit-exact."""
+
+
+class UnsafeContentWarning(UserWarning):
+    """A saved step holds an object that torch's weights-only unpickler refuses: loading it
+    will need ``trusted=True``. Said at save time, so that it is not first met at a resume."""

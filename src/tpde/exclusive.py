@@ -76,7 +76,7 @@ def create(store: Store, rel: str, data: bytes) -> None:
                 return  # an earlier attempt of this call landed; only its reply was lost
             raise
 
-    store._retry(f"create {rel} in", once, len(data))
+    store._retry(f"create {rel} in", once, len(data), writes=True)
 
 
 def _create_local(store: Store, rel: str, path: str, data: bytes) -> None:

@@ -19,12 +19,11 @@ from typing import Iterable
 import numpy as np
 import zstandard
 
+from . import extensions
 from .frame_threads import spread
 
-try:  # byte planes and residuals in C (_planes.c), with the GIL released
-    from . import _planes as native
-except ImportError:  # built without a compiler: numpy's passes
-    native = None
+# Byte planes and residuals in C (_planes.c), with the GIL released; else numpy's passes.
+native = extensions.load("_planes")
 
 DEFAULT_CHUNK = 256 * 1024
 MIN_CHUNK, MAX_CHUNK = 4 * 1024, 16 * 1024 * 1024

@@ -147,11 +147,23 @@ class Mount:
         self._modules = {owner: model.get_submodule(owner)
                          for owned in self.units.values() for owner, *_ in owned}
         self._ghosts: dict[str, torch.Tensor] = {}
+        #: Each stored dtype's dtype in the model (``model.to(torch.bfloat16)``, ``.half()``).
+        self._cast: dict[torch.dtype, torch.dtype] = {}
+        #: Each stored tensor's version counter as the mount left it: a write in place since
+        #: is refused at the next forward (``_unchanged``).
+        self._versions: dict[str, int] = {}
+        self._hooks: list[Any] = []
         for name in self.names:
             self._release(name)
-            self._wrap(model.get_submodule(name), self._pre(name), self._post(name))
+            unit = model.get_submodule(name)
+            self._wrap(unit, self._pre(name), self._post(name))
+            # ``state_dict()`` hands out the weights, decoded for it where none are held.
+            self._hooks += [unit.register_state_dict_pre_hook(self._before_state_dict(name)),
+                            unit.register_state_dict_post_hook(self._after_state_dict(name)),
+                            unit.register_load_state_dict_pre_hook(self._refuse_load)]
         # A local run's blobs are opened once a forward on its thread, not once a module.
         self._wrap(model, None, self._learned, around=self.chain.store.kept_open)
+        model._apply = self._apply
 
     # ------------------------------------------------------------------ decoding
     def _hold(self) -> None:
@@ -187,14 +199,17 @@ class Mount:
         self._side.synchronize()
         return out
 
-    def _decode(self, name: str, team: bool = True) -> dict[str, torch.Tensor]:
+    def _decode(self, name: str, team: bool = True, kept: bool = False
+                ) -> dict[str, torch.Tensor]:
         """``name``'s tensors; ``team``: on the forward's thread, whose OpenMP threads (torch's)
-        may share a native rebuild (not on the worker's)."""
+        may share a native rebuild (not on the worker's); ``kept``: handed out, so from the
+        heap rather than the arena a forward's decodes take again and again."""
         owned = self.units[name]
+        alloc = slots.in_heap if kept else self._alloc
         # Held compressed bytes decode to what was checked the first time: check once.
         check = not (self.held and name in self._checked)
         spans, into = ({}, {}) if self.on is not None else \
-            slots.span_buffers(self.chain, self.step, owned, self._alloc)
+            slots.span_buffers(self.chain, self.step, owned, alloc)
         names = {n for *_, s in owned for n in s.records}
         rest = names - self._pack_names
         words: dict[str, torch.Tensor] = {}
@@ -204,8 +219,8 @@ class Mount:
                 planned = self._native[name] = native.plan(self.chain, self.step, rest)
             words = native.rebuild(self.chain, planned, check=check, into=into,
                                    threads=torch.get_num_threads() if team else 1,
-                                   alloc=self._alloc)
-            if self._arena is not None:  # what the rebuild freed beside the arena's words
+                                   alloc=alloc)
+            if self._arena is not None and not kept:  # what the rebuild freed beside the arena's words
                 self._trims.after(KEEP_FREE_BYTES, sum(planned[n].word_bytes for n in words))
             if len(words) < len(planned):  # worked out again on the next decode
                 self._native.pop(name, None)
@@ -226,7 +241,9 @@ class Mount:
                     sharded.assemble(self.chain.manifest(self.step), s.dcp, words)
             base = spans[s.records].view(torch.uint8).view(s.dtype)
             t = base.as_strided(s.shape, s.stride, s.offset)
-            out[s.key] = t.to(self.device) if self.device.type != "cpu" else t
+            want = self._cast.get(s.dtype, s.dtype)
+            out[s.key] = t.to(self.device, want) if self.device.type != "cpu" or \
+                want != s.dtype else t
         with self._lock:
             self.stats.decodes += 1
             self.stats.decoded_bytes += self.sizes[name]
@@ -266,9 +283,10 @@ class Mount:
             if self._side is not None:  # made on the side stream, read on this one
                 t.record_stream(torch.cuda.current_stream(self.device))
             if is_param:
-                module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
+                t = module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
             else:
                 module._buffers[attr] = t
+            self._versions[s.key] = t._version
 
     def _release(self, name: str) -> None:
         """Put shape-and-dtype placeholders (meta tensors, made once) back; the weights are
@@ -276,7 +294,8 @@ class Mount:
         for owner, attr, is_param, s in self.units[name]:
             ghost = self._ghosts.get(s.key)
             if ghost is None:
-                ghost = torch.empty(s.shape, dtype=s.dtype, device="meta")
+                ghost = torch.empty(s.shape, dtype=self._cast.get(s.dtype, s.dtype),
+                                    device="meta")
                 if is_param:
                     ghost = torch.nn.Parameter(ghost, requires_grad=False)
                 self._ghosts[s.key] = ghost
@@ -284,6 +303,21 @@ class Mount:
                 self._modules[owner]._parameters[attr] = ghost
             else:
                 self._modules[owner]._buffers[attr] = ghost
+            self._versions[s.key] = ghost._version
+
+    def _unchanged(self, name: str) -> None:
+        """Refuse to compute with weights written in place since the mount set them: held
+        ones would give outputs of weights the step does not hold, and placeholders' writes
+        are lost at the next decode."""
+        for owner, attr, is_param, s in self.units[name]:
+            held = self._modules[owner]._parameters if is_param else self._modules[owner]._buffers
+            t = held.get(attr)
+            if t is None or t._version != self._versions.get(s.key):
+                raise TPDEError(
+                    f"the mounted weights are read-only, and {s.key!r} was changed in place "
+                    "(or replaced): for weights of your own, load the step with "
+                    "tpde.load_state_dict(run, step, model=...) instead of mounting it",
+                    run=self.chain.url, step=self.step, tensor=s.key)
 
     def _resident(self) -> int:
         return sum(self.sizes[n] for n in self._lru) + sum(self.sizes[n] for n in self._pending)
@@ -312,6 +346,7 @@ class Mount:
 
     def _pre(self, name: str) -> Callable[[], None]:
         def hook() -> None:
+            self._unchanged(name)
             self._active.append(name)
             if self._learning is not None and name not in self._learning:
                 self._learning.append(name)
@@ -395,6 +430,68 @@ class Mount:
                 break
             self._pending[nxt] = self._pool.submit(self._decode_ahead, nxt)
 
+    def _before_state_dict(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+            self._unchanged(name)
+            if name not in self._lru:
+                self._assign(name, self._decode(name, kept=True))
+        return hook
+
+    def _after_state_dict(self, name: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, state: dict, prefix: str, meta: dict) -> None:
+            if name not in self._lru:  # the caller holds the weights now, not the mount
+                self._release(name)
+        return hook
+
+    def _refuse_load(self, module: torch.nn.Module, *_: Any) -> None:
+        raise TPDEError("a mounted model's weights are read-only: load_state_dict() would "
+                        "write into them; build the model and load the state dict into it, or "
+                        "mount the step holding those weights", run=self.chain.url,
+                        step=self.step)
+
+    def _settle(self) -> None:
+        """Let go of every decoded weight and of the worker's queue."""
+        for f in self._pending.values():
+            if not f.cancel():
+                with contextlib.suppress(Exception):
+                    f.result()
+        self._pending.clear()
+        for name in list(self._lru):
+            self._release(name)
+        self._lru.clear()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> torch.nn.Module:
+        """``model.to(dtype)``, ``.half()``, ``.to(device)`` and the like on a mounted model:
+        what ``fn`` makes of each stored dtype is what the weights are decoded to from then
+        on; the tensors the chain does not hold are converted as torch would."""
+        stored = {s.dtype for owned in self.units.values() for *_, s in owned}
+        probes = {d: fn(torch.empty(0, dtype=d, device=self.device)) for d in stored}
+        devices = {p.device for p in probes.values()}
+        if len(devices) > 1:
+            raise TPDEError("a mounted model's weights go to one device",
+                            run=self.chain.url, step=self.step)
+        device = devices.pop() if devices else self.device
+        if self.on is not None and device != self.device:
+            raise TPDEError(f"this mount rebuilds its weights on {self.device} with the "
+                            f"kernels: mount again with device={str(device)!r}",
+                            run=self.chain.url, step=self.step)
+        self._settle()
+        self._cast = {d: p.dtype for d, p in probes.items() if p.dtype != d}
+        self.device = device
+        self._ghosts.clear()
+        for name in self.names:
+            self._release(name)
+        managed = {id(g) for g in self._ghosts.values()}
+        for module in self.model.modules():
+            for table in (module._parameters, module._buffers):
+                for attr, t in table.items():
+                    if t is not None and id(t) not in managed and t.device.type != "meta":
+                        moved = fn(t)
+                        table[attr] = torch.nn.Parameter(moved, t.requires_grad) \
+                            if isinstance(t, torch.nn.Parameter) else moved
+        return self.model
+
     def close(self) -> None:
         """Unwrap the forwards and free every decoded and held byte; the model keeps
         placeholders."""
@@ -404,6 +501,10 @@ class Mount:
             else:
                 module.forward = own
         self._wrapped.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.model.__dict__.pop("_apply", None)
         for f in self._pending.values():
             f.cancel()
         self._pending.clear()
@@ -430,8 +531,11 @@ def mount(run: str, step: int | None = None,
     decoded weights kept between calls (None: all, 0: none). ``resident="host"`` reads the
     compressed bytes once at mount; ``"store"`` range-reads them on every decode; ``"auto"``
     is ``"store"`` for a local run at budget 0 and ``"host"`` otherwise. The model is
-    for inference: parameters do not require grad. ``model.tpde_mount`` has the stats and
-    ``close()``.
+    for inference: parameters do not require grad, and the weights are read-only
+    (``load_state_dict`` is refused, and a forward after a write in place raises).
+    ``model.to(torch.bfloat16)``, ``.half()`` and ``.to(device)`` set what the weights are
+    decoded to from then on. ``state_dict()`` holds every weight at any budget (those not
+    held are decoded for it). ``model.tpde_mount`` has the stats and ``close()``.
 
     A module's weights are decoded when its own forward runs. Modules whose forward uses their
     children's weights directly are decoded whole: ``slots.UNITS`` (attention and transformer layers)

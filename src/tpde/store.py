@@ -141,7 +141,8 @@ class Store:
         self.changes = 0
         self._open = threading.local()  # files kept open by ``kept_open``, this thread's
 
-    def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0) -> T:
+    def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0, *,
+               writes: bool = False) -> T:
         """Run ``op``, retrying transient failures of remote stores with backoff.
 
         A missing object (or an existing one, to an exclusive create) is an answer, not a
@@ -159,7 +160,14 @@ class Store:
                 value = op() if self.local else _bounded(op, nbytes)
                 self.answered = True
                 return value
-            except (FileNotFoundError, FileExistsError):  # answers (an exclusive create's)
+            except FileNotFoundError as exc:
+                self.answered = True
+                if writes and not self.local:  # nothing to write into: no such bucket
+                    raise StoreError(
+                        f"cannot {what} {self.url}: {exc}. Create the bucket (or container) "
+                        "first, or check the URL") from None
+                raise
+            except FileExistsError:  # an answer (an exclusive create's)
                 self.answered = True
                 raise
             except Exception as exc:  # backends raise OSError, timeouts, aiohttp/botocore errors
@@ -192,7 +200,8 @@ class Store:
         self.changes += 1
         path = self._abs(rel)
         if not self.local:
-            self._retry(f"write {rel} in", lambda: self._put_once(path, data), len(data))
+            self._retry(f"write {rel} in", lambda: self._put_once(path, data), len(data),
+                        writes=True)
             return
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:

@@ -17,7 +17,7 @@ import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -433,6 +433,41 @@ def _unpickle(data: str, trusted: bool) -> Any:
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... here
         raise load_error(exc, "", trusted, "a stored Python object cannot be read "
                          "(damaged?)") from None
+
+
+def refused_pickles(skeleton: Any, known: dict[int, str | None], path: str = ""
+                    ) -> Iterator[tuple[str, str]]:
+    """Each stored Python object of ``skeleton`` that torch's weights-only unpickler refuses,
+    as (its path, the global it refuses). ``known``: what each object (by the hash of its
+    bytes) was found to need, so that a run saving the same objects at every step unpickles
+    each once."""
+    if isinstance(skeleton, list):
+        for i, v in enumerate(skeleton):
+            yield from refused_pickles(v, known, f"{path}/{i}")
+    elif isinstance(skeleton, dict):
+        if "$pickle" in skeleton:
+            key = hash(skeleton["$pickle"])
+            if key not in known:
+                known[key] = None
+                try:
+                    torch.load(io.BytesIO(base64.b64decode(skeleton["$pickle"])),
+                               weights_only=True, map_location="cpu")
+                except Exception as exc:  # the same many types as _unpickle's
+                    blocked = _BLOCKED.search(_ANSI.sub("", str(exc)))
+                    known[key] = blocked[1] if blocked else type(exc).__name__
+            if known[key] is not None:
+                yield path.lstrip("/") or "<root>", known[key]
+        elif "$dict" in skeleton:
+            for k, v in skeleton["$dict"]:
+                name = k if isinstance(k, (str, int)) else "?"
+                yield from refused_pickles(v, known, f"{path}/{name}")
+            yield from refused_pickles(skeleton.get("meta"), known, f"{path}/_metadata")
+        elif "$tuple" in skeleton:
+            yield from refused_pickles(skeleton["$tuple"], known, path)
+        else:
+            for k, v in skeleton.items():
+                if not k.startswith("$"):
+                    yield from refused_pickles(v, known, f"{path}/{k}")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -15,17 +15,15 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import zstandard
 
-from . import heap
+from . import extensions, heap
 from .errors import FormatError
 from .frame_threads import spread
 from . import frames
 from .frames import MAX_CHUNK, MIN_CHUNK, native_words, raw_sizes
 
-try:  # frames decompressed outside the GIL by the system's zstd (_zframes.c), where found
-    from . import _zframes as zframes
-    if not zframes.version():
-        zframes = None
-except ImportError:
+# Frames decompressed outside the GIL by the system's zstd (_zframes.c), where found.
+zframes = extensions.load("_zframes")
+if zframes is not None and not zframes.version():
     zframes = None
 
 #: Streams held in memory up to this size are decompressed whole, and

@@ -28,16 +28,13 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .. import dtypes, elias, frame_threads, unframe
+from .. import dtypes, elias, extensions, frame_threads, unframe
 from ..errors import TPDEError
 from ..manifest import XXH3, Record, SectionRef
 from ..transform import residual_mode
 from .base import ChainBase, Progress
 
-try:
-    from .. import _rebuild
-except ImportError:  # built without a C compiler
-    _rebuild = None
+_rebuild = extensions.load("_rebuild")
 
 #: By process: whether ``rebuild`` can run, and whether it can share its work over a team.
 _opened: dict[int, tuple[bool, bool]] = {}

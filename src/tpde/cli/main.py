@@ -41,10 +41,21 @@ STEP_HELP = ("a step number, or in a checkpoint folder the file name of a checkp
              "(e.g. last.ckpt; `tpde ls FOLDER` lists them)")
 
 
+class _Version(argparse.Action):
+    """``--version``: the extensions are looked at only when it is asked for."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from .. import extensions
+
+        print(f"tpde {__version__} ({extensions.note()})")
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tpde", description="Inspect, restore, verify and clean "
                                 "tpde checkpoint chains in any fsspec location.")
-    p.add_argument("--version", action="version", version=f"tpde {__version__}")
+    p.add_argument("--version", action=_Version, nargs=0,
+                   help="show the version and which C extensions are built, and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
