@@ -59,15 +59,18 @@ class AttachHandle:
         #: A step taken, to be saved once the scheduler and scaler have stepped: its buffers
         #: and random states as they were.
         self._due: tuple[dict[str, torch.Tensor], dict[str, Any] | None] | None = None
+        #: Whether a step is saved at the next step's start, once the scheduler and scaler
+        #: have stepped, rather than at once.
+        self._deferred = scheduler is not None or scaler is not None
         self._hooks = [optimizer.register_step_post_hook(self._after_step)]
-        if scheduler is not None or scaler is not None:
+        if self._deferred:
             self._hooks.append(optimizer.register_step_pre_hook(self._before_step))
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step += 1
         if self.step % self.every_n_steps:
             return
-        if len(self._hooks) == 1:
+        if not self._deferred:
             self.save_now()
             return
         buffers = {n for n, _ in self.model.named_buffers()}

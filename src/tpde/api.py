@@ -255,7 +255,7 @@ class Checkpointer:
 
     def _say_untrusted(self, step: int, flat: tree.Flat) -> None:
         """Warn, once a run and object, of what only a trusted load will read back."""
-        for where, refused in tree.refused_pickles(flat.skeleton, self._pickles):
+        for where, refused in tree.refused_pickles(flat.pickles, self._pickles):
             if (where, refused) in self._refused:
                 continue
             self._refused.add((where, refused))

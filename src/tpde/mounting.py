@@ -505,14 +505,9 @@ class Mount:
             h.remove()
         self._hooks.clear()
         self.model.__dict__.pop("_apply", None)
-        for f in self._pending.values():
-            f.cancel()
-        self._pending.clear()
+        self._settle()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        for name in list(self._lru):
-            self._release(name)
-        self._lru.clear()
 
 
 def mount(run: str, step: int | None = None,

@@ -49,6 +49,15 @@ class Span:
 class Flat:
     skeleton: Any
     spans: list[Span] = field(default_factory=list)
+    #: Each Python object stored as ``torch.save`` bytes: (its path, the base64 bytes).
+    pickles: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Leaves:
+    """What a walk over a state sets apart from its skeleton."""
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    pickles: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _escape(key: str) -> str:
@@ -81,20 +90,20 @@ def flatten(state: Any) -> Flat:
     The walks are module functions, not closures: a closure that calls itself is a reference
     cycle, and one that held the state's tensors kept them alive after the call, until
     Python's collector came by (``unflatten`` held a restored state's 200 MB so)."""
-    tensors: list[tuple[str, torch.Tensor]] = []
-    skeleton = _walk(state, "", tensors)
-    spans, views = _group(tensors)
-    return Flat(_fill(skeleton, views), spans)
+    leaves = _Leaves()
+    skeleton = _walk(state, "", leaves)
+    spans, views = _group(leaves.tensors)
+    return Flat(_fill(skeleton, views), spans, leaves.pickles)
 
 
-def _walk(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    """``obj``'s skeleton; its storable tensors go to ``tensors``."""
+def _walk(obj: Any, path: str, leaves: _Leaves) -> Any:
+    """``obj``'s skeleton; its storable tensors and pickled objects go to ``leaves``."""
     if isinstance(obj, torch.Tensor) and obj.is_nested:
         raise UnsupportedError(f"the nested tensor at {path.lstrip('/') or '<root>'!r} cannot "
                                "be stored; store its .unbind() (a list of tensors) instead")
     if isinstance(obj, torch.Tensor) and _storable(obj):
-        tensors.append((path, obj))
-        return {"$t": len(tensors) - 1}
+        leaves.tensors.append((path, obj))
+        return {"$t": len(leaves.tensors) - 1}
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if type(obj) is int:
@@ -102,7 +111,7 @@ def _walk(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
     if type(obj) is float:
         return obj if math.isfinite(obj) else {"$f": repr(obj)}
     if type(obj) is complex:
-        return {"$c": [_walk(obj.real, path, tensors), _walk(obj.imag, path, tensors)]}
+        return {"$c": [_walk(obj.real, path, leaves), _walk(obj.imag, path, leaves)]}
     if type(obj) is bytes:
         return {"$b": base64.b64encode(obj).decode()}
     if isinstance(obj, torch.dtype) and obj in dtypes.BY_TORCH:
@@ -112,21 +121,23 @@ def _walk(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
     if type(obj) is torch.device:
         return {"$device": str(obj)}
     if type(obj) is list:
-        return [_walk(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return [_walk(v, f"{path}/{i}", leaves) for i, v in enumerate(obj)]
     if type(obj) is tuple:
-        return {"$tuple": [_walk(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]}
+        return {"$tuple": [_walk(v, f"{path}/{i}", leaves) for i, v in enumerate(obj)]}
     if type(obj) in (dict, OrderedDict):
-        items = [(k, _walk(v, f"{path}/{_escape(str(k))}", tensors)) for k, v in obj.items()]
+        items = [(k, _walk(v, f"{path}/{_escape(str(k))}", leaves)) for k, v in obj.items()]
         if type(obj) is dict and all(type(k) is str and not k.startswith("$") for k, _ in items):
             return dict(items)
-        out: dict[str, Any] = {"$dict": [[_walk(k, path, tensors), v] for k, v in items]}
+        out: dict[str, Any] = {"$dict": [[_walk(k, path, leaves), v] for k, v in items]}
         if type(obj) is OrderedDict:
             out["ordered"] = True
             meta = getattr(obj, "_metadata", None)
             if meta is not None:
-                out["meta"] = _walk(meta, f"{path}/_metadata", tensors)
+                out["meta"] = _walk(meta, f"{path}/_metadata", leaves)
         return out
-    return {"$pickle": _pickle(obj, path)}
+    pickled = _pickle(obj, path)
+    leaves.pickles.append((path.lstrip("/") or "<root>", pickled))
+    return {"$pickle": pickled}
 
 
 def _fill(node: Any, views: dict[int, dict]) -> Any:
@@ -242,7 +253,7 @@ def pack(flat: Flat, below: int, most: int, apart: Callable[[Span], bool] | None
             at += s.tensor.numel()
         spans.append(Span(name, torch.cat([s.tensor.detach() for s in members]),
                           members[0].device, parts=len(run)))
-    return Flat(_repoint(flat.skeleton, where, parts), spans)
+    return Flat(_repoint(flat.skeleton, where, parts), spans, flat.pickles)
 
 
 def _repoint(node: Any, where: dict[int, int], parts: dict[int, tuple[int, int, int]]) -> Any:
@@ -435,39 +446,23 @@ def _unpickle(data: str, trusted: bool) -> Any:
                          "(damaged?)") from None
 
 
-def refused_pickles(skeleton: Any, known: dict[int, str | None], path: str = ""
+def refused_pickles(pickles: list[tuple[str, str]], known: dict[int, str | None]
                     ) -> Iterator[tuple[str, str]]:
-    """Each stored Python object of ``skeleton`` that torch's weights-only unpickler refuses,
-    as (its path, the global it refuses). ``known``: what each object (by the hash of its
-    bytes) was found to need, so that a run saving the same objects at every step unpickles
-    each once."""
-    if isinstance(skeleton, list):
-        for i, v in enumerate(skeleton):
-            yield from refused_pickles(v, known, f"{path}/{i}")
-    elif isinstance(skeleton, dict):
-        if "$pickle" in skeleton:
-            key = hash(skeleton["$pickle"])
-            if key not in known:
-                known[key] = None
-                try:
-                    torch.load(io.BytesIO(base64.b64decode(skeleton["$pickle"])),
-                               weights_only=True, map_location="cpu")
-                except Exception as exc:  # the same many types as _unpickle's
-                    blocked = _BLOCKED.search(_ANSI.sub("", str(exc)))
-                    known[key] = blocked[1] if blocked else type(exc).__name__
-            if known[key] is not None:
-                yield path.lstrip("/") or "<root>", known[key]
-        elif "$dict" in skeleton:
-            for k, v in skeleton["$dict"]:
-                name = k if isinstance(k, (str, int)) else "?"
-                yield from refused_pickles(v, known, f"{path}/{name}")
-            yield from refused_pickles(skeleton.get("meta"), known, f"{path}/_metadata")
-        elif "$tuple" in skeleton:
-            yield from refused_pickles(skeleton["$tuple"], known, path)
-        else:
-            for k, v in skeleton.items():
-                if not k.startswith("$"):
-                    yield from refused_pickles(v, known, f"{path}/{k}")
+    """Each of ``pickles`` (a ``Flat``'s) that torch's weights-only unpickler refuses, as (its
+    path, the global it refuses). ``known``: what each object (by the hash of its bytes) was
+    found to need, so that a run saving the same objects at every step unpickles each once."""
+    for where, pickled in pickles:
+        key = hash(pickled)
+        if key not in known:
+            known[key] = None
+            try:
+                torch.load(io.BytesIO(base64.b64decode(pickled)), weights_only=True,
+                           map_location="cpu")
+            except Exception as exc:  # the same many types as _unpickle's
+                blocked = _BLOCKED.search(_ANSI.sub("", str(exc)))
+                known[key] = blocked[1] if blocked else type(exc).__name__
+        if known[key] is not None:
+            yield where, known[key]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
