@@ -1,14 +1,22 @@
-PYTHON ?= python3
+# Everything installs into the checkout's own virtual environment, made on first use;
+# PYTHON=python3 (or any interpreter) installs into that interpreter's environment instead.
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
 PIP := $(PYTHON) -m pip
 # The CPU build of torch: no multi-GB CUDA wheels when only the CPU is used.
 TORCH ?= torch==2.13.0
+# The environment to make first, when PYTHON is the checkout's own.
+ENV := $(filter $(VENV)/bin/python,$(PYTHON))
 
 .PHONY: install install-dev demo test bench bench-quick bench-settings
 
-install:
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+install: $(ENV)
 	$(PIP) install -q "$(TORCH)" -e .
 
-install-dev:
+install-dev: $(ENV)
 	$(PIP) install -q "$(TORCH)" -e ".[dev]"
 
 demo: install

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,7 +198,8 @@ def test_errors_exit_1_and_usage_exits_2(run, tmp_path, capsys) -> None:
 
 
 def test_console_script_help_on_every_command() -> None:
-    exe = shutil.which("tpde")
+    # The script beside this interpreter: a virtual environment need not be on PATH.
+    exe = shutil.which("tpde", path=str(Path(sys.executable).parent)) or shutil.which("tpde")
     assert exe, "the tpde console script is not installed"
     for command in ("ls", "info", "restore", "verify", "export", "gc", "repair"):
         done = subprocess.run([exe, command, "--help"], capture_output=True, text=True, timeout=120)

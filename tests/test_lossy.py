@@ -361,6 +361,7 @@ def test_attach_saves_under_a_bound(tmp_path) -> None:
         saved.append({k: v.clone() for k, v in model.state_dict().items()})
     handle.remove()
     reader = tpde.Checkpointer(run)
+    assert reader.steps() == [1, 2, 3]
     for step, want in zip(reader.steps(), saved):
         got = reader.load(step)
         for k, v in want.items():

@@ -1,5 +1,5 @@
-"""The memory bounds the README states, measured as resident memory of real processes (with
-glibc's mmap threshold fixed, as the README says to for memory-tight jobs):
+"""The memory bounds docs/reliability.md states, measured as resident memory of real processes
+(with glibc's mmap threshold fixed, as it says to for memory-tight jobs):
 
 - a save with reference="store" needs at most 4x ``max_inflight_bytes`` extra for a keyframe
   and 7x for a delta, however many tensors the state has, one tensor larger than the limit

@@ -61,16 +61,38 @@ def test_the_wheel_holds_every_module_of_the_tree(wheel: pathlib.Path) -> None:
     assert "tpde = tpde.cli:main" in scripts
 
 
+def _alone(site: pathlib.Path) -> str:
+    """The lines that make a fresh interpreter import tpde from ``site`` only: not through the
+    editable install's finder, which maps the tree's own files."""
+    return textwrap.dedent(f"""
+        import sys
+        sys.meta_path = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", ""))]
+        sys.path.insert(0, {str(site)!r})
+    """)
+
+
 def test_a_run_is_saved_restored_and_listed_from_the_wheel_alone(wheel: pathlib.Path,
                                                                  tmp_path: pathlib.Path) -> None:
+    """Installed by pip where no C compiler is found: a wheel needs none, and its extensions
+    are the ones loaded."""
     unpacked = tmp_path / "site"
+    bare = tmp_path / "bin"  # a PATH with the interpreter and nothing else: no cc, no gcc
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    env = {"PATH": str(bare), "CC": str(tmp_path / "no-compiler"), "HOME": str(tmp_path)}
+    subprocess.run(["python", "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-compile", "--target", str(unpacked), str(wheel)],
+                   check=True, env=env, timeout=300)
+    assert shutil.which("cc", path=str(bare)) is None
     with zipfile.ZipFile(wheel) as z:
-        z.extractall(unpacked)  # what pip puts in site-packages: a wheel is a zip of it
         modules = sorted(n[:-3].replace("/", ".").removesuffix(".__init__")
                          for n in z.namelist() if n.startswith("tpde/") and n.endswith(".py"))
-    script = textwrap.dedent(f"""
-        import importlib, json, sys
-        sys.path.insert(0, {str(unpacked)!r})
+    version = subprocess.run([sys.executable, "-c", _alone(unpacked) + "from tpde.cli import "
+                              "main; main()", "--version"], capture_output=True, text=True,
+                             timeout=300)
+    assert version.returncode == 0 and "(C extensions built)" in version.stdout, version
+    script = _alone(unpacked) + textwrap.dedent(f"""
+        import importlib, json
         import torch
         import tpde
         from tpde.cli import main
@@ -116,12 +138,7 @@ def test_an_install_without_its_extensions_says_so_once_and_works(tmp_path: path
     skip = shutil.ignore_patterns("__pycache__", "*.so", "*.c", "*.h")
     for src, dest in MAPPED.items():
         shutil.copytree(ROOT / src, site / dest, ignore=skip)
-    # Only the copy: not the editable install's finder, which maps the tree's built files.
-    alone = textwrap.dedent(f"""
-        import sys
-        sys.meta_path = [f for f in sys.meta_path if "editable" not in str(getattr(f, "__module__", ""))]
-        sys.path.insert(0, {str(site)!r})
-    """)
+    alone = _alone(site)
     version = subprocess.run([sys.executable, "-c", alone + "from tpde.cli import main; main()",
                               "--version"], capture_output=True, text=True, timeout=300)
     assert version.returncode == 0, version.stderr

@@ -139,7 +139,7 @@ class Checkpointer:
     ``reference="store"`` keeps no such copy: each tensor's previous version is read back from
     the chain while it is encoded, so saving a state larger than the free memory works, with
     extra memory bounded by ``max_inflight_bytes`` (bytes of tensors being encoded at once; a
-    few times that in buffers, measured in the README), at the cost of reading and decoding the
+    few times that in buffers, measured in docs/reliability.md), at the cost of reading and decoding the
     previous step on every save. Tensors larger than half of it (at most 64 MiB) are stored in
     pieces, each coded on its own, so one huge tensor is bounded the same way. Up to
     ``max_inflight_bytes`` of freed C heap stays between saves for the next save's buffers;
@@ -158,17 +158,16 @@ class Checkpointer:
 
     ``deltas_against="keyframe"`` codes each delta against its tensor's last keyframe record
     instead of the step saved before, so that restoring any step, the latest included, decodes
-    at most one delta of each tensor: a step 15 saves past its keyframe restored in 1.2-1.4x
-    the keyframe's time on the 200 MB fp32 state, against 5.6-6.9x. Deltas against an older
-    state are larger where tensors drift: 0-5% more bytes on compare.py's fp32 chains, 47% on
-    bf16 weights (README, "Deltas against keyframes"). The run's marker records the choice, so
-    that re-bases (``remove``, ``gc``, the CLI's) keep every record one delta deep.
+    at most one delta of each tensor, however far past its keyframe. Deltas against an older
+    state are larger where tensors drift, bf16 weights most (docs/performance.md, "Deltas
+    against keyframes"). The run's marker records the choice, so that re-bases (``remove``,
+    ``gc``, the CLI's) keep every record one delta deep.
 
     ``error_bound`` (opt-in; default lossless) saves the tensors it names within a pointwise
     bound, e.g. ``{"model/*": tpde.Rel(1e-3), "*.bias": tpde.Abs(1e-6)}``: keys are ``fnmatch``
     patterns over the names ``tpde info`` prints, the first match wins, and integer and bool
     tensors stay exact. Every restored element of such a tensor is within the bound of the
-    value saved at that step, however long the chain; see the README's "Error-bounded mode".
+    value saved at that step, however long the chain; see docs/lossy.md.
     """
 
     def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,

@@ -70,13 +70,13 @@ print(json.dumps({"mode": mode, "state_mb": mb, "tensors": count,
 
 
 LIGHTNING_CHILD = SAMPLER + r"""
-import json, sys, tempfile
+import json, sys
 import lightning as L
 import torch
 import tpde
 from lightning.pytorch.plugins import TorchCheckpointIO
 
-which, mb, inflight = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+which, mb, inflight, root = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
 class Big(L.LightningModule):
     def __init__(self, n):
@@ -90,7 +90,6 @@ class Big(L.LightningModule):
 plugin = {"torch": TorchCheckpointIO(), "tpde": tpde.TPDECheckpointIO(),
           "tpde-sync-store": tpde.TPDECheckpointIO(async_save=False, reference="store",
                                                    max_inflight_bytes=inflight << 20)}[which]
-root = tempfile.mkdtemp()
 trainer = L.Trainer(max_steps=2, plugins=[plugin], logger=False, accelerator="cpu",
                     enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False)
@@ -113,10 +112,12 @@ print(json.dumps({"plugin": which, "state_mb": mb, **out}))
 
 def measure_lightning(plugin: str, mb: int, inflight_mb: int,
                       env: dict[str, str] | None = None) -> dict:
-    """Two ``trainer.save_checkpoint`` calls of a real Trainer with ``plugin``."""
-    done = subprocess.run([sys.executable, "-c", LIGHTNING_CHILD, plugin, str(mb),
-                           str(inflight_mb)], capture_output=True, text=True, timeout=600,
-                          check=True, env=env)
+    """Two ``trainer.save_checkpoint`` calls of a real Trainer with ``plugin``, into a folder
+    removed after them."""
+    with tempfile.TemporaryDirectory() as root:
+        done = subprocess.run([sys.executable, "-c", LIGHTNING_CHILD, plugin, str(mb),
+                               str(inflight_mb), root], capture_output=True, text=True,
+                              timeout=600, check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -85,8 +85,8 @@ def reads_line(reads: Reads, raw: int) -> str:
             f"step(s): {mb(reads.stored_bytes)} stored, at most {reads.deepest} delta(s) deep")
     if reads.stored_bytes > 2 * raw:
         line += (f"; {reads.stored_bytes / max(1, raw):.1f}x the step's raw bytes: "
-                 "deltas_against=\"keyframe\" or a lower keyframe_every bounds that (README, "
-                 "\"Deltas against keyframes\")")
+                 "deltas_against=\"keyframe\" or a lower keyframe_every bounds that (docs/"
+                 "performance.md, \"Deltas against keyframes\")")
     return line
 
 
