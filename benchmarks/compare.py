@@ -47,7 +47,8 @@ import contenders  # noqa: E402
 from helpers import difference  # noqa: E402  (the tests' own bit-exact comparison)
 from report import workload_table  # noqa: E402
 import workloads  # noqa: E402
-from tpde import dtypes, transform, tree  # noqa: E402
+from tpde.codec import dtypes, transform  # noqa: E402
+from tpde.state import tree
 
 # tpde's "best level": level 12 gains 0-3% more but saves at 10-40 MB/s here (chain_bench.py).
 BEST_LEVEL = 9

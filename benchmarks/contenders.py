@@ -21,7 +21,7 @@ import torch
 import zstandard
 
 import tpde
-from tpde import tree
+from tpde.state import tree
 
 
 class Contender:

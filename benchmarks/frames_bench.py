@@ -1,5 +1,5 @@
 """The frame stage on its own: zstd compression and decompression of a stream's byte planes
-in 256 KiB frames, by ``tpde.frames`` (the process's frame threads, one zstd call per frame)
+in 256 KiB frames, by ``tpde.codec.frames`` (the process's frame threads, one zstd call per frame)
 against zstandard's batch API (``multi_compress_to_buffer`` / ``multi_decompress_to_buffer``,
 which start their threads on every call, then a copy of every frame into the result, as tpde
 did before). "To words" is what a restore needs: the planes decompressed and put back
@@ -8,7 +8,7 @@ together as words, by the batch API and then ``transform.unshuffle`` (before), o
 decompressed.
 
 Streams: the byte planes of a 64 MiB fp32 weight (a keyframe) and of the residual of a small
-dense update of it (a delta), as ``tpde.codec`` makes them. Rates are raw bytes per second,
+dense update of it (a delta), as ``tpde.codec.encoder`` makes them. Rates are raw bytes per second,
 medians of 5.
 
     python benchmarks/frames_bench.py [--json PATH]
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import zstandard
 
-from tpde import codec, frames, transform, unframe
+from tpde.codec import encoder, frames, transform, unframe
 
 MB = 1e6
 
@@ -82,7 +82,7 @@ def main() -> None:
     rows = []
     for name, planes in streams.items():
         data = memoryview(planes.numpy()).cast("B")
-        chunk = codec.plane_chunk(w.numel(), frames.DEFAULT_CHUNK)
+        chunk = encoder.plane_chunk(w.numel(), frames.DEFAULT_CHUNK)
         sec = frames.compress(data, chunk=chunk)
         fr = list(sec.frames)
         assert bytes(batch_api_decompress(fr, sec.raw, chunk, 1)) == data.tobytes()

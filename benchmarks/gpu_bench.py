@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import elias, frame_threads, frames, transform, unframe
+from tpde.codec import elias, frames, transform, unframe
+from tpde.runtime import frame_threads
 from tpde.kernels import nvcomp
 from tpde.kernels import triton_kernels as tk
 

@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 import workloads  # noqa: E402
 
 import tpde  # noqa: E402
-from tpde import elias, transform  # noqa: E402
+from tpde.codec import elias, transform  # noqa: E402
 
 BOUNDS = {"B-minilm-finetune": [1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
           "C-minilm-bf16": [1e-3, 1e-2, 3e-2],

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 import torch
 
 import tpde
-from tpde.frame_threads import usable_cpus
+from tpde.runtime.frame_threads import usable_cpus
 
 SEQ = 32
 

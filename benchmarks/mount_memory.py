@@ -76,7 +76,7 @@ def measure(folder: str, case: str, dtype: str, size: str) -> None:
     """In a fresh process: the peak rise of resident memory over one forward."""
     import tpde
     from tpde import mount  # noqa: F401  (imported before the baseline, as a user's script has it)
-    from tpde.frame_threads import usable_cpus
+    from tpde.runtime.frame_threads import usable_cpus
 
     torch.manual_seed(1)
     x = torch.randint(0, SIZES[size][0], (2, 64))
@@ -108,7 +108,7 @@ def main() -> None:
     if args.measure:
         measure(*args.measure)
         return
-    from tpde.frame_threads import usable_cpus
+    from tpde.runtime.frame_threads import usable_cpus
 
     # "default": no ``resident`` given (the store, read by range, for a local run at budget 0).
     cases = ["dense", "default", "store", "host"]

@@ -1,7 +1,7 @@
-"""The byte-plane word loops of ``tpde._planes`` built two ways, side by side: for one target
+"""The byte-plane word loops of ``tpde.codec._planes`` built two ways, side by side: for one target
 (``TPDE_ONE_TARGET``: the compiler's baseline, SSE2 on x86-64) and as tpde builds them (with
 GCC 12 or later on x86-64 Linux, one clone per instruction set, the widest the CPU has chosen
-as the module loads). Both are compiled here from ``src/tpde/_planes.c`` with the compiler and
+as the module loads). Both are compiled here from ``src/tpde/codec/_planes.c`` with the compiler and
 flags Python's own extensions use, and each is timed in a process of its own.
 
 Loops, on fp32 words: ``join`` (words from their four planes, applied as an XOR residual, what

@@ -1,4 +1,4 @@
-"""A sparse delta's pieces, in C (``tpde._elias``, ``tpde._planes``) against numpy's path, which
+"""A sparse delta's pieces, in C (``tpde.codec._elias``, ``tpde.codec._planes``) against numpy's path, which
 runs wherever the extensions are not built.
 
 A sparse delta stores the positions of the words that changed (Elias-delta gaps) and their XOR
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tpde import decoder, elias, frames, transform
+from tpde.codec import decoder, elias, frames, transform
 
 WORDS = 22_000_000
 DENSITIES = (0.005, 0.05, 0.22, 0.7)

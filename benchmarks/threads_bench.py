@@ -26,7 +26,8 @@ import torch
 
 import tpde
 from speed_bench import pin, states
-from tpde import frame_threads, transform, unframe
+from tpde.runtime import frame_threads
+from tpde.codec import transform, unframe
 from tpde.chain import Chain
 
 

@@ -1,4 +1,5 @@
-"""The GPU decoder: ``tpde.decoder.decode``'s backend with nvCOMP for zstd and Triton for the rest.
+"""The GPU decoder: ``tpde.codec.decoder.decode``'s backend, nvCOMP for zstd and Triton for the
+rest.
 
 The values of a step's records are decompressed by nvCOMP in one batch straight into device
 memory (``add_values``); position streams are decompressed on the host, where their header and
@@ -19,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from tpde import decoder
+from tpde.codec import decoder
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.kernels import nvcomp, triton_kernels
 from tpde.kernels.nvcomp import Stream

@@ -1,6 +1,6 @@
 """nvCOMP glue: batched zstd on the GPU in RAW mode, producing and reading standard zstd frames.
 
-Frames are cut exactly as ``tpde.frames`` cuts them on the CPU, so a chain written on a GPU
+Frames are cut exactly as ``tpde.codec.frames`` cuts them on the CPU, so a chain written on a GPU
 restores on a CPU-only machine and the reverse.  Decoding takes many streams at once: their
 compressed bytes travel to the device in one copy and nvCOMP writes every chunk straight into
 its place in one device buffer (from torch's caching allocator, as are nvCOMP's own scratch
@@ -17,9 +17,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tpde.codec import encoder
+from tpde.codec.frames import Section, raw_sizes
 from tpde.errors import FormatError
-from tpde.frames import Section, raw_sizes
-from tpde.unframe import check_declared
+from tpde.codec.unframe import check_declared
 
 #: One stream to decode: its frames, its raw size and its raw chunk size.
 Stream = tuple[Sequence[bytes | memoryview], int, int]
@@ -153,3 +154,12 @@ def decompress(frames: Sequence[bytes | memoryview], raw: int, chunk: int,
                device: torch.device) -> torch.Tensor:
     """Decode one stream's frames into one CUDA byte tensor of ``raw`` bytes."""
     return decompress_many([(frames, raw, chunk)], device)[0]
+
+
+def _on_device(planes: torch.Tensor, level: int | None, chunk: int) -> Section | None:
+    """The codec's compressor of CUDA words (``encoder.DEVICE_COMPRESSORS``): nvCOMP's zstd
+    where it is installed, else None (the codec then compresses on the host)."""
+    return compress(planes, level=level, chunk=chunk) if available() else None
+
+
+encoder.DEVICE_COMPRESSORS["cuda"] = _on_device

@@ -1,7 +1,7 @@
 """Triton kernels for decoding on the GPU: byte-plane unshuffle, residual application, and the
 Elias-delta position decoder (one program per block of codes, started from its sync point).
 
-Each kernel has its CPU reference in ``tpde.codec`` / ``tpde.elias``, and the tests compare them;
+Each kernel has its CPU reference in ``tpde.codec``, and the tests compare them;
 without a GPU the tests run these kernels in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU
 tensors. Triton ships with the CUDA builds of torch; ``available()`` says whether it imports.
 ``tpde.kernels.backend`` puts them together with nvCOMP as the decoder that
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpde import elias
+from tpde.codec import elias
 from tpde.errors import FormatError
 
 try:
@@ -124,7 +124,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None
 
 
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
-    """``tpde.transform.unshuffle`` on the device of ``planes``."""
+    """``tpde.codec.transform.unshuffle`` on the device of ``planes``."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if planes.numel() % width:
         raise FormatError("byte planes do not hold a whole number of words")
@@ -136,7 +136,7 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 
 
 def apply_residual_(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str) -> torch.Tensor:
-    """``tpde.transform.apply_residual(..., inplace=True)`` on the device: ``ref`` becomes the new
+    """``tpde.codec.transform.apply_residual(..., inplace=True)`` on the device: ``ref`` becomes the new
     words."""
     n = ref.numel()
     if r.numel() != n:
@@ -165,7 +165,7 @@ def apply_sparse_xor_(ref: torch.Tensor, positions: torch.Tensor, r: torch.Tenso
 
 def decode_positions(stream: bytes | memoryview, device: torch.device, *,
                      limit: int | None = None) -> torch.Tensor:
-    """``tpde.elias.decode`` with the blocks decoded in parallel on ``device``.
+    """``tpde.codec.elias.decode`` with the blocks decoded in parallel on ``device``.
 
     The header and sync table are checked on the host exactly as the CPU decoder checks them;
     the kernel flags any block whose codes do not end at the next sync point.

@@ -32,16 +32,16 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from tpde import codec, dtypes, frames, transform
+from tpde.codec import dtypes, encoder, frames, transform
 from tpde.api import check_reference, check_settings
 from tpde.chain import DATA, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
 from tpde.chain.base import name as step_name
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.write import put_sections
 from tpde.errors import TPDEError, UnsupportedError
-from tpde.lease import DEFAULT_LEASE_SECONDS, Lease
+from tpde.store.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, Record, format_for, record_hash
-from tpde.store import Store
+from tpde.store.store import Store
 from tpde.plugins import dcp_metadata as layout
 
 __all__ = ["Writer"]
@@ -94,7 +94,7 @@ class OnRun:
 #: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
 _HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
 #: By (run, rank): each piece's delta coding as last chosen, tried first at the next save.
-_CHOICES: dict[tuple[str, int], dict[str, codec.Choice]] = {}
+_CHOICES: dict[tuple[str, int], dict[str, encoder.Choice]] = {}
 #: By run (however its URL is spelled): the writer lease this process's coordinator holds. A
 #: job's saves are one writer whatever Writer objects carry them, so the lease outlives each
 #: save (renewed by the next) and is given up when the process exits.
@@ -153,7 +153,7 @@ class Writer(OnRun, StorageWriter):
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
         self.run, self.step = run, step
         self.keyframe_every, self.max_inflight_bytes = keyframe_every, max_inflight_bytes
-        self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads)
+        self.settings = encoder.Settings(level=level, chunk=chunk_bytes, threads=threads)
         self.storage_options = storage_options
         self.rank = 0
         self._chain: Chain | None = None
@@ -312,9 +312,11 @@ class Writer(OnRun, StorageWriter):
                 t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
         dt = dtypes.of_tensor(t, name=piece)
         words = transform.to_words(t, dt.word_dtype)
+        if words.is_cuda:
+            import tpde.kernels.nvcomp  # noqa: F401  (registers the GPU's compressor)
         choices = _CHOICES.setdefault((self.chain.url, self.rank), {})
-        enc = codec.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name,
-                           choice=choices.pop(piece, None))
+        enc = encoder.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name,
+                             choice=choices.pop(piece, None))
         if enc.choice is not None:
             choices[piece] = enc.choice
         ref = None

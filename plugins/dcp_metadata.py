@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from tpde import dtypes
+from tpde.codec import dtypes
 from tpde.errors import FormatError, UnsupportedError
 
 

@@ -1,6 +1,6 @@
 """``TPDECheckpointIO``: Lightning's checkpoint I/O, writing into a tpde chain beside the files.
 
-Every checkpoint path gets a small entry (see ``tpde.entry``) in place of the checkpoint file,
+Every checkpoint path gets a small entry (see ``tpde.entries.entry``) in place of the checkpoint file,
 and the chain it names lives in ``<dirpath>/.tpde``, so ``ModelCheckpoint`` keeps doing what
 it does with files: existence checks, ``last*.ckpt`` listing, modification times, top-k
 removal. While a ``Trainer`` is fitting, a save snapshots the state and writes a pending entry
@@ -23,17 +23,19 @@ from typing import Any
 
 import torch
 
-from tpde import entry as entries
-from tpde import checkpoint_folder, frame_threads, frames
+from tpde.entries import entry as entries
+from tpde.entries import checkpoint_folder
+from tpde.runtime import frame_threads
+from tpde.codec import frames
 from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
                       check_deltas_against, check_reference, check_settings, snapshot)
 from tpde.chain import PREVIOUS
 from tpde.errors import TPDEError
-from tpde.lease import DEFAULT_LEASE_SECONDS
-from tpde.quant import Bound, Bounds
+from tpde.store.lease import DEFAULT_LEASE_SECONDS
+from tpde.codec.quant import Bound, Bounds
 from tpde.plugins import trainer_state, writers
 from tpde.plugins.worker import Job, Worker
-from tpde.store import Store
+from tpde.store.store import Store
 
 log = logging.getLogger("tpde.lightning")
 

@@ -23,11 +23,11 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from tpde import entry as entries
-from tpde import tree
+from tpde.entries import entry as entries
+from tpde.state import tree
 from tpde.api import StepInfo
 from tpde.chain import PREVIOUS
-from tpde.lease import DEFAULT_LEASE_SECONDS
+from tpde.store.lease import DEFAULT_LEASE_SECONDS
 from tpde.plugins.dcp import Writer, hold
 from tpde.plugins.dcp_read import Reader
 from tpde.plugins.lightning import TPDECheckpointIO, _split

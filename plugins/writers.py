@@ -13,10 +13,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpde import entry as entries
+from tpde.entries import entry as entries
 from tpde.api import Checkpointer
 from tpde.chain import GcReport
-from tpde.lease import Lease
+from tpde.store.lease import Lease
 
 
 @dataclass

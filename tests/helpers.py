@@ -9,32 +9,32 @@ from typing import Any
 import pytest
 import torch
 
-from tpde import unframe
+from tpde.codec import unframe
 
-#: A test run with frames decompressed by ``tpde._zframes`` and by zstandard.
+#: A test run with frames decompressed by ``tpde.codec._zframes`` and by zstandard.
 ZSTD = pytest.mark.parametrize("z", [True, False], ids=["zframes", "zstandard"])
 
 
 def zstd_path(mp: pytest.MonkeyPatch, z: bool) -> None:
-    """Frames decompressed by ``tpde._zframes`` (the system's libzstd, outside the GIL) or,
+    """Frames decompressed by ``tpde.codec._zframes`` (the system's libzstd, outside the GIL) or,
     as where it found none, by zstandard."""
     if z and unframe.zframes is None:
-        pytest.skip("no zstd library was found for tpde._zframes")
+        pytest.skip("no zstd library was found for tpde.codec._zframes")
     if not z:
         mp.setattr(unframe, "zframes", None)
 
 
-#: A mount whose modules are rebuilt by ``tpde._rebuild`` in one call, and by the Python path.
+#: A mount whose modules are rebuilt by ``tpde.codec._rebuild`` in one call, and by the Python path.
 NATIVE = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
 def native_path(mp: pytest.MonkeyPatch, on: bool) -> None:
     """Mounts made from here on rebuild their modules natively (``tpde.chain.native``) or, as
-    where ``tpde._rebuild`` is not built, through ``Chain.materialize``."""
+    where ``tpde.codec._rebuild`` is not built, through ``Chain.materialize``."""
     from tpde.chain import native
 
     if on and not native.available():
-        pytest.skip("tpde._rebuild not built, or no libzstd found")
+        pytest.skip("tpde.codec._rebuild not built, or no libzstd found")
     if not on:
         mp.setattr(native, "available", lambda: False)
 

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import tpde
 import tpde.dcp
 from helpers import assert_same, decode_depths
-from tpde import codec, store
+from tpde.codec import encoder
+from tpde.store import store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
 
@@ -136,7 +137,7 @@ def test_saves_restores_and_removals_set_off_no_garbage_collection_and_leave_the
         assert not gc.isenabled()
         gc.enable()
         started.clear()
-        tpde.tree.flatten(moved)
+        tpde.state.tree.flatten(moved)
         assert len(started) > 50  # a part of the same save, outside one
     assert torch.equal(ck.load(1)["t7"], moved["t7"])
     ck.close()
@@ -332,14 +333,14 @@ def test_a_writer_codes_each_tensor_as_it_last_chose_until_that_is_due(tmp_path,
     """The full choice between codings (made on samples for a large tensor) runs at the first
     delta, then again only every REVALIDATE deltas; a re-key does not reset it."""
     sampled: list[int] = []
-    sample_starts = tpde.codec._sample_starts
-    monkeypatch.setattr(tpde.codec, "_sample_starts",
+    sample_starts = tpde.codec.encoder._sample_starts
+    monkeypatch.setattr(tpde.codec.encoder, "_sample_starts",
                         lambda *a: sampled.append(step) or sample_starts(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300_000, generator=g)
     ck = tpde.Checkpointer(str(tmp_path / "run"), keyframe_every=4)
     saved, chose = [], []
-    for step in range(2 * tpde.codec.REVALIDATE + 4):
+    for step in range(2 * tpde.codec.encoder.REVALIDATE + 4):
         w = w * (1 + 1e-4 * torch.randn(w.shape, generator=g))
         saved.append(w.clone())
         ck.save(step, {"w": w})
@@ -348,7 +349,8 @@ def test_a_writer_codes_each_tensor_as_it_last_chose_until_that_is_due(tmp_path,
     assert keyed[:2] == [0, 4]  # re-keyed on the way
     deltas = [s for s in range(len(saved)) if s not in keyed]
     # the first delta, and the one after REVALIDATE deltas coded with its choice
-    assert [s for s, c in enumerate(chose) if c] == [deltas[0], deltas[tpde.codec.REVALIDATE + 1]]
+    assert [s for s, c in enumerate(chose) if c] == [deltas[0],
+                                                     deltas[encoder.REVALIDATE + 1]]
     reader = tpde.Checkpointer(str(tmp_path / "run"))
     for step, want in enumerate(saved):
         assert torch.equal(reader.load(step)["w"], want)
@@ -485,11 +487,11 @@ def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_
 @pytest.mark.parametrize("against", ["previous", "keyframe"])
 def test_pieces_coded_together_get_the_records_they_get_coded_alone(against: str,
                                                                    monkeypatch) -> None:
-    """A save codes its small keyframes and dense deltas in batches (``codec.encode_many``):
+    """A save codes its small keyframes and dense deltas in batches (``encoder.encode_many``):
     its manifests and restored steps are those of the same run with every piece coded alone."""
     runs = {}
     for together in (True, False):
-        monkeypatch.setattr(codec, "MANY_BYTES", 1 << 20 if together else 0)
+        monkeypatch.setattr(encoder, "MANY_BYTES", 1 << 20 if together else 0)
         g = torch.Generator().manual_seed(3)
         state = {f"w{k}": torch.randn(64, 32 * (k + 1), generator=g) for k in range(6)}
         state |= {"b": torch.randn(300_000, generator=g), "i": torch.arange(500),

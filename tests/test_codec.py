@@ -16,13 +16,17 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, codec, decoder, dtypes, frame_threads, frames, transform, unframe
+from tpde import FormatError
+
+from tpde.codec import decoder, dtypes, encoder, frames, transform, unframe
+
+from tpde.runtime import frame_threads
 
 from helpers import ZSTD, zstd_path
 
 DTYPES = sorted(dtypes.BY_NAME)
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-SMALL = codec.Settings(chunk=frames.MIN_CHUNK)
+SMALL = encoder.Settings(chunk=frames.MIN_CHUNK)
 
 
 def random_tensor(dt: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -34,12 +38,12 @@ def random_tensor(dt: dtypes.DType, shape: tuple[int, ...], seed: int) -> torch.
     return raw.view(dt.torch_dtype).reshape(shape)
 
 
-def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Settings = SMALL,
-               choice: codec.Choice | None = None) -> codec.Encoding:
+def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: encoder.Settings = SMALL,
+               choice: encoder.Choice | None = None) -> encoder.Encoding:
     dt = dtypes.of_tensor(new)
     nw = transform.to_words(new, dt.word_dtype)
     rw = None if ref is None else transform.to_words(ref, dt.word_dtype)
-    enc = codec.encode(nw, rw, dt.kind, settings, choice=choice)
+    enc = encoder.encode(nw, rw, dt.kind, settings, choice=choice)
     sections = {k: unframe.decompress(list(s.frames), s.raw, s.chunk)
                 for k, s in enc.sections.items()}
     out = decoder.decode(enc.codec, enc.residual, sections, rw, nw.numel(), dt.word_dtype, dt.kind)
@@ -48,6 +52,33 @@ def round_trip(new: torch.Tensor, ref: torch.Tensor | None, settings: codec.Sett
 
 
 shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
+
+
+def test_a_device_compressor_plugs_into_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU side plugs its compressor into the codec (``DEVICE_COMPRESSORS``); the codec
+    hands it the byte planes of words on its device and compresses them on the host where it
+    answers None. Here a compressor registered for the CPU stands in for a GPU's."""
+    planes_seen: list[torch.Tensor] = []
+
+    def on_device(planes: torch.Tensor, level: int | None, chunk: int) -> frames.Section | None:
+        planes_seen.append(planes)
+        if len(planes_seen) > 1:
+            return None  # as a device whose library is missing
+        return frames.compress(planes.numpy().tobytes(), level=level, chunk=chunk)
+
+    monkeypatch.setitem(encoder.DEVICE_COMPRESSORS, "cpu", on_device)
+    g = torch.Generator().manual_seed(0)
+    words = transform.to_words(torch.randn(5000, generator=g), torch.int32)
+    first = round_trip(words.view(torch.float32), None)
+    assert len(planes_seen) == 1 and torch.equal(planes_seen[0], transform.shuffle(words))
+    second = round_trip(words.view(torch.float32), None)
+    assert len(planes_seen) == 2 and first.stored == second.stored
+
+
+def test_the_gpu_side_registers_its_compressor() -> None:
+    nvcomp = pytest.importorskip("tpde.kernels.nvcomp", reason="tpde.kernels.nvcomp does not "
+                                 "import here")
+    assert encoder.DEVICE_COMPRESSORS["cuda"] is nvcomp._on_device
 
 
 @given(st.sampled_from(DTYPES), shapes, st.floats(0.0, 1.0), st.integers(0, 2**31))
@@ -107,7 +138,7 @@ OPTIONS = [("dense", "xor"), ("dense", "sub"), ("sparse", "xor")]
 
 @given(st.sampled_from(["float32", "bfloat16", "int32", "uint8"]), st.integers(1, 3000),
        st.floats(0.0, 1.0), st.sampled_from(OPTIONS), st.floats(0.01, 8.0), st.floats(0.01, 8.0),
-       st.floats(0.0, 1.0), st.integers(0, codec.REVALIDATE), st.integers(0, 2**31))
+       st.floats(0.0, 1.0), st.integers(0, encoder.REVALIDATE), st.integers(0, 2**31))
 def test_any_carried_choice_round_trips(name: str, n: int, density: float, option: tuple,
                                         per_word: float, key_per_word: float, changed: float,
                                         uses: int, seed: int) -> None:
@@ -117,7 +148,7 @@ def test_any_carried_choice_round_trips(name: str, n: int, density: float, optio
     new = ref.view(torch.uint8).clone()
     g = torch.Generator().manual_seed(seed + 1)
     new[torch.rand(new.numel(), generator=g) < density] ^= 1
-    choice = codec.Choice(option, per_word, key_per_word, changed, uses)
+    choice = encoder.Choice(option, per_word, key_per_word, changed, uses)
     enc = round_trip(new.view(dt.torch_dtype), ref, choice=choice)
     if enc.codec == "same":
         assert enc.choice == choice  # carried past an unchanged tensor
@@ -129,7 +160,7 @@ def test_any_carried_choice_round_trips(name: str, n: int, density: float, optio
         assert enc.choice.option == (enc.codec, enc.residual)
 
 
-def same_encoding(a: codec.Encoding, b: codec.Encoding) -> bool:
+def same_encoding(a: encoder.Encoding, b: encoder.Encoding) -> bool:
     return (a.codec, a.residual, a.count, a.choice, a.sections.keys()) == \
         (b.codec, b.residual, b.count, b.choice, b.sections.keys()) and all(
             (s.raw, s.chunk, [bytes(f) for f in s.frames])
@@ -140,16 +171,16 @@ def same_encoding(a: codec.Encoding, b: codec.Encoding) -> bool:
 job = st.tuples(st.sampled_from(["float32", "bfloat16", "int32", "uint8", "float64"]),
                 st.integers(0, 70_000), st.sampled_from([0.0, 0.1, 0.6, 1.0]),
                 st.sampled_from([None, "same shape", "other shape"]),
-                st.one_of(st.none(), st.builds(codec.Choice, st.sampled_from(OPTIONS),
+                st.one_of(st.none(), st.builds(encoder.Choice, st.sampled_from(OPTIONS),
                                                st.floats(0.01, 8.0), st.floats(0.01, 8.0),
                                                st.floats(0.0, 1.0),
-                                               st.integers(0, codec.REVALIDATE))))
+                                               st.integers(0, encoder.REVALIDATE))))
 
 
-@given(st.lists(job, min_size=1, max_size=6), st.sampled_from([SMALL, codec.Settings()]),
+@given(st.lists(job, min_size=1, max_size=6), st.sampled_from([SMALL, encoder.Settings()]),
        st.integers(0, 2**31))
-def test_a_batch_codes_each_tensor_as_it_is_coded_alone(jobs: list, settings: codec.Settings,
-                                                       seed: int) -> None:
+def test_a_batch_codes_each_tensor_as_it_is_coded_alone(jobs: list, settings: encoder.Settings,
+                                                        seed: int) -> None:
     """``encode_many`` codes keyframes, carried dense choices and small dense deltas weighed in
     full exactly as ``encode`` codes each alone (the same choice, the same frames), and leaves
     the others (None) to it."""
@@ -165,10 +196,10 @@ def test_a_batch_codes_each_tensor_as_it_is_coded_alone(jobs: list, settings: co
         if ref_of == "other shape":
             rw = rw[: n // 2]
         made.append((nw, rw, dt.kind, choice))
-    for j, got in zip(made, codec.encode_many(made, settings)):
-        alone = codec.encode(*j[:3], settings, choice=j[3])
+    for j, got in zip(made, encoder.encode_many(made, settings)):
+        alone = encoder.encode(*j[:3], settings, choice=j[3])
         assert got is None or same_encoding(got, alone)
-        if j[1] is None and 0 < j[0].numel() * j[0].element_size() <= codec.MANY_BYTES:
+        if j[1] is None and 0 < j[0].numel() * j[0].element_size() <= encoder.MANY_BYTES:
             assert got is not None  # a keyframe is always coded in the batch
 
 
@@ -177,12 +208,12 @@ def test_a_batch_leaves_sparse_and_sampled_deltas_to_be_weighed_alone() -> None:
     ref = torch.randn(40_000, generator=g).view(torch.int32)
     dense, sparse = ref ^ 1, ref.clone()
     sparse[:100] ^= 1
-    mid = torch.randn(codec.EXACT_CHOICE_BYTES // 4 + 1, generator=g).view(torch.int32)
-    large = torch.randn(codec.MANY_BYTES // 4 + 1, generator=g).view(torch.int32)
-    due = codec.Choice(("dense", "sub"), 1.0, 4.0, 1.0, codec.REVALIDATE)
-    got = codec.encode_many([(sparse, ref, "float", None), (mid ^ 1, mid, "float", due),
-                             (large ^ 1, large, "float", None), (large, None, "float", None),
-                             (dense, ref, "float", due), (ref, ref, "float", due)])
+    mid = torch.randn(encoder.EXACT_CHOICE_BYTES // 4 + 1, generator=g).view(torch.int32)
+    large = torch.randn(encoder.MANY_BYTES // 4 + 1, generator=g).view(torch.int32)
+    due = encoder.Choice(("dense", "sub"), 1.0, 4.0, 1.0, encoder.REVALIDATE)
+    got = encoder.encode_many([(sparse, ref, "float", None), (mid ^ 1, mid, "float", due),
+                               (large ^ 1, large, "float", None), (large, None, "float", None),
+                               (dense, ref, "float", due), (ref, ref, "float", due)])
     # weighed alone: a sparse coding, samples of a mid-size tensor, anything larger
     assert got[:4] == [None, None, None, None]
     assert got[4] is not None and got[4].choice is not None and got[4].choice.uses == 0
@@ -196,35 +227,35 @@ def _drifting(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_a_carried_choice_is_coded_straight_away_until_it_is_due() -> None:
-    first = round_trip(*_drifting(0), codec.Settings())
+    first = round_trip(*_drifting(0), encoder.Settings())
     assert first.codec == "dense" and first.choice is not None and first.choice.uses == 0
     wrong = dataclasses.replace(first.choice, option=("dense", "xor" if first.residual == "sub"
                                                       else "sub"), per_word=8.0)
-    enc = round_trip(*_drifting(1), codec.Settings(), choice=wrong)
+    enc = round_trip(*_drifting(1), encoder.Settings(), choice=wrong)
     assert enc.residual == wrong.option[1] and enc.choice.uses == 1  # followed, not re-chosen
-    due = dataclasses.replace(wrong, uses=codec.REVALIDATE)
-    enc = round_trip(*_drifting(2), codec.Settings(), choice=due)
+    due = dataclasses.replace(wrong, uses=encoder.REVALIDATE)
+    enc = round_trip(*_drifting(2), encoder.Settings(), choice=due)
     assert enc.residual == first.residual and enc.choice.uses == 0  # chosen in full again
 
 
 def test_a_carried_choice_is_dropped_when_the_data_changes() -> None:
     new, ref = _drifting(0)
-    chosen = round_trip(new, ref, codec.Settings()).choice
+    chosen = round_trip(new, ref, encoder.Settings()).choice
     few = ref.clone()
     few[::1000] += 1  # 0.1% of the words change now, where all did
-    enc = round_trip(few, ref, codec.Settings(), choice=chosen)
+    enc = round_trip(few, ref, encoder.Settings(), choice=chosen)
     assert enc.codec == "sparse" and enc.choice.uses == 0
     # Stored bytes per word past DRIFT times those of the choice: chosen again.
     grown = dataclasses.replace(chosen, per_word=chosen.per_word / 2)
-    enc = round_trip(new, ref, codec.Settings(), choice=grown)
-    assert enc.choice.uses == 0 and enc.choice.per_word > grown.per_word * codec.DRIFT
+    enc = round_trip(new, ref, encoder.Settings(), choice=grown)
+    assert enc.choice.uses == 0 and enc.choice.per_word > grown.per_word * encoder.DRIFT
     # Within the key margin of what a keyframe stored: chosen again (a keyframe wins here).
     unrelated = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9))
-    enc = round_trip(unrelated, ref, codec.Settings(),
+    enc = round_trip(unrelated, ref, encoder.Settings(),
                      choice=dataclasses.replace(chosen, per_word=8.0, changed=1.0))
     assert enc.codec == "key" and enc.choice is None
     # A re-key (no reference) keeps the choice for the deltas after it.
-    assert round_trip(new, None, codec.Settings(), choice=chosen).choice == chosen
+    assert round_trip(new, None, encoder.Settings(), choice=chosen).choice == chosen
 
 
 def test_a_sparse_choice_holds_while_fewer_words_change() -> None:
@@ -237,11 +268,11 @@ def test_a_sparse_choice_holds_while_fewer_words_change() -> None:
         new[::k] += 1
         return new
 
-    chosen = round_trip(every(100), ref, codec.Settings()).choice
+    chosen = round_trip(every(100), ref, encoder.Settings()).choice
     assert chosen is not None and chosen.option == ("sparse", "xor")
-    enc = round_trip(every(400), ref, codec.Settings(), choice=chosen)
+    enc = round_trip(every(400), ref, encoder.Settings(), choice=chosen)
     assert enc.codec == "sparse" and enc.choice.uses == 1
-    enc = round_trip(every(50), ref, codec.Settings(), choice=chosen)
+    enc = round_trip(every(50), ref, encoder.Settings(), choice=chosen)
     assert enc.choice.uses == 0
 
 
@@ -256,7 +287,7 @@ def test_large_tensor_uses_many_frames() -> None:
     g = torch.Generator().manual_seed(3)
     ref = torch.randn(600_000, generator=g)
     new = ref + 1e-6 * torch.randn(600_000, generator=g)
-    enc = round_trip(new, ref, codec.Settings(chunk=64 * 1024))
+    enc = round_trip(new, ref, encoder.Settings(chunk=64 * 1024))
     assert enc.codec == "dense" and len(enc.sections["values"].frames) > 30
 
 
@@ -280,15 +311,15 @@ def test_sampled_choice_agrees_with_the_exact_choice(kind: str, monkeypatch) -> 
     """Above EXACT_CHOICE_BYTES the codec is picked from samples; picking it from full encodes
     of every option gives the answer to check it against."""
     new, ref = _large_pair(kind)
-    assert new.numel() * new.element_size() > codec.EXACT_CHOICE_BYTES
+    assert new.numel() * new.element_size() > encoder.EXACT_CHOICE_BYTES
     sampled_calls = []
-    sample_starts = codec._sample_starts
-    monkeypatch.setattr(codec, "_sample_starts",
+    sample_starts = encoder._sample_starts
+    monkeypatch.setattr(encoder, "_sample_starts",
                         lambda *a: sampled_calls.append(1) or sample_starts(*a))
-    sampled = round_trip(new, ref, codec.Settings())
+    sampled = round_trip(new, ref, encoder.Settings())
     assert sampled_calls, "the choice was not made on samples"
-    monkeypatch.setattr(codec, "EXACT_CHOICE_BYTES", 1 << 62)
-    exact = round_trip(new, ref, codec.Settings())
+    monkeypatch.setattr(encoder, "EXACT_CHOICE_BYTES", 1 << 62)
+    exact = round_trip(new, ref, encoder.Settings())
     assert (sampled.codec, sampled.residual) == (exact.codec, exact.residual)
     assert sampled.stored == exact.stored
 
@@ -303,13 +334,13 @@ def test_a_close_call_between_sparse_and_dense_is_settled_by_coding_both() -> No
     new = ref.clone()
     new[at] = (new[at].float() * (1 + 0.01 * torch.randn(int(at.sum()), generator=g))).bfloat16()
     nw, rw = new.view(torch.int16), ref.view(torch.int16)
-    s = codec.Settings()
+    s = encoder.Settings()
     where = torch.nonzero(nw != rw).reshape(-1)
     sparse = transform.residual(nw[where], rw[where], "xor", "float")
-    full = {("sparse", "xor"): codec._compress(sparse, s).stored
-            + codec._positions(where, s).stored}
+    full = {("sparse", "xor"): encoder._compress(sparse, s).stored
+            + encoder._positions(where, s).stored}
     for how in ("xor", "sub"):
-        full[("dense", how)] = codec._compress(transform.residual(nw, rw, how, "float"), s).stored
+        full[("dense", how)] = encoder._compress(transform.residual(nw, rw, how, "float"), s).stored
     dense = min(full[("dense", "xor")], full[("dense", "sub")])
     assert abs(full[("sparse", "xor")] - dense) < 0.1 * dense  # a close call
     enc = round_trip(new, ref, s)
@@ -435,7 +466,7 @@ PLANES = pytest.mark.parametrize("c", [True, False], ids=["c-planes", "numpy-pla
 
 
 def planes_path(mp: pytest.MonkeyPatch, c: bool) -> None:
-    """Byte planes and residuals through ``tpde._planes`` or, without it, numpy."""
+    """Byte planes and residuals through ``tpde.codec._planes`` or, without it, numpy."""
     if not c:
         mp.setattr(frames, "native", None)
 
@@ -719,11 +750,11 @@ def test_a_helper_that_starts_late_takes_half_of_what_is_left() -> None:
 
 
 def test_one_compressor_per_window_makes_the_frames_of_a_fresh_one_for_each_chunk() -> None:
-    """Each tensor size gets its own chunk (``codec.plane_chunk``); a thread keeps one
+    """Each tensor size gets its own chunk (``encoder.plane_chunk``); a thread keeps one
     compressor per window those chunks need, and its frames are those of a compressor made
     for the chunk alone."""
     rng = np.random.default_rng(1)
-    chunks = [codec.plane_chunk(n, frames.DEFAULT_CHUNK) for n in range(70_000, 700_000, 9_001)]
+    chunks = [encoder.plane_chunk(n, frames.DEFAULT_CHUNK) for n in range(70_000, 700_000, 9_001)]
     assert len(set(chunks)) > 20
     data = rng.integers(0, 4, 1 << 20, dtype=np.uint8).tobytes()
     held: list[set] = []
@@ -751,7 +782,7 @@ def test_the_frame_threads_count_the_cpus_a_process_may_run_on_at_each_spread() 
     script = """
 import os, threading, time
 everywhere = os.sched_getaffinity(0)
-from tpde import frame_threads
+from tpde.runtime import frame_threads
 from tpde.chain import decode
 def spread():
     threads, done = set(), []

@@ -85,7 +85,7 @@ def test_a_save_makes_its_blob_durable_before_its_manifest_names_it(tmp_path, mo
 def test_a_replaced_object_is_durable_before_and_after_its_rename(tmp_path, monkeypatch) -> None:
     """``put_atomic`` (tombstones, re-based manifests, the lease, the marker, checkpoint
     entries): the temporary file's bytes, then the rename, then its folder."""
-    from tpde.store import Store
+    from tpde.store.store import Store
 
     events: list[tuple[str, str]] = []
     fsync, replace = os.fsync, os.replace

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tpde
-from tpde import checkpoint_folder, entry
+from tpde.entries import checkpoint_folder, entry
 
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
 

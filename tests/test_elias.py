@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, elias
+from tpde import FormatError
+
+from tpde.codec import elias
 
 CODERS = pytest.mark.parametrize("use_native", [True, False], ids=["c", "numpy"])
 
@@ -16,7 +18,8 @@ CODERS = pytest.mark.parametrize("use_native", [True, False], ids=["c", "numpy"]
 def test_the_c_coder_is_built() -> None:
     # Built by `pip install -e .` wherever a C compiler is found; without it every test below
     # would silently run numpy twice.
-    assert elias.native is not None, "tpde._elias was not built: install a C compiler, reinstall"
+    assert elias.native is not None, \
+        "tpde.codec._elias was not built: install a C compiler, reinstall"
 
 
 @given(st.lists(st.integers(1, 2**56 // 512), max_size=600), st.integers(1, 70))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tpde
-from tpde import checkpoint_folder, entry
-from tpde.store import Store
+from tpde.entries import checkpoint_folder, entry
+from tpde.store.store import Store
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -11,7 +11,7 @@ import torch
 
 import tpde
 from helpers import assert_same, mixed_codec_chain
-from tpde import frames, unframe
+from tpde.codec import frames, unframe
 from tpde.errors import FormatError, TPDEError
 
 nvcomp = pytest.importorskip("tpde.kernels.nvcomp", reason="tpde.kernels.nvcomp does not import here")

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import heap
+from tpde.runtime import heap
 
 GLIBC = pytest.mark.skipif(heap.free_heap_bytes() is None,
                            reason="the C library does not report its free heap")
@@ -27,7 +27,7 @@ MB = 1 << 20
 SCRIPT = """
 import json, sys
 import numpy as np
-from tpde import heap
+from tpde.runtime import heap
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 out = {}
@@ -62,7 +62,7 @@ def test_freed_heap_is_kept_up_to_keep_and_handed_back_above_it() -> None:
 AGAIN = """
 import json
 import numpy as np
-from tpde import heap
+from tpde.runtime import heap
 MB = 1 << 20
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096

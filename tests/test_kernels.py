@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="needs Triton (tpde[dev] installs it on Linux x86_64)")
 
 from helpers import mixed_codec_chain  # noqa: E402
-from tpde import elias, transform  # noqa: E402
+from tpde.codec import elias, transform  # noqa: E402
 from tpde.errors import FormatError  # noqa: E402
 from tpde.kernels import triton_kernels as tk  # noqa: E402
 

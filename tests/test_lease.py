@@ -103,8 +103,8 @@ def test_of_two_writers_taking_the_lease_at_once_one_gets_it(store_url, takeover
     is one step (a lock, or a conditional request), so exactly one of them holds it. With
     ``takeover`` both mean to take it from whoever holds it: one ends holding it, and the
     other is refused at its next write."""
-    from tpde.lease import Lease
-    from tpde.store import Store
+    from tpde.store.lease import Lease
+    from tpde.store.store import Store
 
     url, opts = store_url
     store = Store(url, opts)

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 import tpde  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde import entry as entries  # noqa: E402
+from tpde.entries import entry as entries  # noqa: E402
 from tpde.chain import Chain  # noqa: E402
 from tpde.cli import main as cli  # noqa: E402
 

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins import TorchCheckpointIO  # noqa: E402
 
 import tpde  # noqa: E402
 from helpers import assert_same, decode_depths  # noqa: E402
-from tpde import store  # noqa: E402
+from tpde.store import store  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from lightning_train import CharLM, loaders  # noqa: E402

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpde
-from tpde import codec, decoder, transform, unframe
+from tpde.codec import decoder, encoder, transform, unframe
 
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16),
           "float16": (torch.float16, torch.int16)}
@@ -40,8 +40,8 @@ def holds(saved: torch.Tensor, got: torch.Tensor, bound: tpde.Bound) -> np.ndarr
 
 
 def roundtrip(words: torch.Tensor, ref: torch.Tensor | None, dtype: str,
-              bound: tpde.Bound) -> tuple[codec.Encoding, torch.Tensor]:
-    enc = codec.encode(words, ref, "float", codec.Settings(chunk=4096), bound=bound, dtype=dtype)
+              bound: tpde.Bound) -> tuple[encoder.Encoding, torch.Tensor]:
+    enc = encoder.encode(words, ref, "float", encoder.Settings(chunk=4096), bound=bound, dtype=dtype)
     secs = {k: unframe.decompress(s.frames, s.raw, s.chunk) for k, s in enc.sections.items()}
     if enc.codec == "same":
         return enc, ref.clone()
@@ -105,7 +105,7 @@ def test_error_bounded_codes_are_taken_and_smaller_than_exact() -> None:
     for _ in range(10):
         x = x + 1e-3 * torch.randn(x.shape, generator=g)
         words = transform.to_words(x, torch.int32)
-        exact += codec.encode(words, ref, "float").stored
+        exact += encoder.encode(words, ref, "float").stored
         enc, ref = roundtrip(words, ref, "float32", bound)
         lossy += enc.stored
         used.add((enc.codec, enc.grid))

@@ -17,7 +17,7 @@ import tpde
 from helpers import NATIVE, assert_same, flip_bit, native_path, zstd_path
 from tpde.chain import Chain
 from tpde.cli import main as cli
-from tpde.frame_threads import usable_cpus
+from tpde.runtime.frame_threads import usable_cpus
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from mount_bench import Probe, drift, torch_threads  # noqa: E402  (the benchmark's own)
@@ -405,7 +405,7 @@ def test_damaged_chain_never_gives_a_wrong_output(tmp_path, resident: str, z: bo
                                                    native: bool, monkeypatch) -> None:
     """Damage anywhere in a run is an error or harmless to a mount at budget 0, its modules
     rebuilt natively or through the Python path, whose small records' frames are decompressed
-    by ``tpde._zframes`` or, without it, by zstandard."""
+    by ``tpde.codec._zframes`` or, without it, by zstandard."""
     import random
     from campaigns.corrupt import damage
 
@@ -585,7 +585,7 @@ def test_a_large_module_at_budget_zero_is_decoded_on_the_frame_threads(tmp_path,
     the store by range: the output is the dense model's at its keyframe and two deltas deep, no
     file of the run stays open after a forward, and a damaged frame of that weight is refused,
     naming it."""
-    from tpde import unframe
+    from tpde.codec import unframe
     native_path(monkeypatch, native)
     assert 2304 * 2304 * 4 >= 2 * unframe.FRAMED_SPREAD_BYTES
     run = str(tmp_path / "run")

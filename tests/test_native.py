@@ -1,4 +1,4 @@
-"""The native rebuild (``tpde.chain.native``, ``tpde._rebuild``) of a mount and of the restore
+"""The native rebuild (``tpde.chain.native``, ``tpde.codec._rebuild``) of a mount and of the restore
 path, against the states saved and tpde's Python path (``Chain.materialize(native=False)``):
 the same words, bit for bit, from local files read a frame at a time and from bytes in
 memory, alone and shared over an OpenMP team; damage is a failed tensor, never wrong words."""
@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 
 import tpde
 from helpers import flip_bit
-from tpde import _rebuild
+from tpde.codec import _rebuild
 from tpde.chain import Chain, native
-from tpde.frame_threads import usable_cpus
-from tpde.slots import in_heap
+from tpde.runtime.frame_threads import usable_cpus
+from tpde.mounting.slots import in_heap
 
 pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="tpde._rebuild not built, or no libzstd found")
+                                reason="tpde.codec._rebuild not built, or no libzstd found")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
 #: Sizes in elements: tiny, frames that straddle planes (300001 = 2 x 150000.5 per plane), and
@@ -144,7 +144,7 @@ def test_a_damaged_record_fails_its_tensor_and_no_other(tmp_path, resident: bool
     flip_bit(run, m, m.record("a"))
     fresh = Chain(run)
     if resident:  # every range read once into memory, as resident="host" holds them
-        from tpde.resident import ResidentStore
+        from tpde.store.resident import ResidentStore
         held: dict[str, dict[tuple[int, int], bytes]] = {}
         for lin in lineages.values():
             for s in lin.records:

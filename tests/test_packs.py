@@ -40,7 +40,7 @@ def packs(m) -> list:
 
 def test_small_tensors_are_saved_in_packs_and_restored_apart(tmp_path) -> None:
     states = model_states(4)
-    small = [s.name for s in tpde.tree.flatten(states[-1]).spans
+    small = [s.name for s in tpde.state.tree.flatten(states[-1]).spans
              if s.tensor.numel() * s.tensor.element_size() < 4096
              and s.tensor.dtype == torch.float32]
     model = [n for n in small if n.startswith("model/")]
@@ -135,7 +135,7 @@ def test_info_lists_a_pack_as_one_row(tmp_path) -> None:
     run = str(tmp_path / "run")
     with tpde.Checkpointer(run) as ck:
         ck.save(0, states[0])
-    small = [s.name for s in tpde.tree.flatten(states[0]).spans if s.name.startswith("model/")
+    small = [s.name for s in tpde.state.tree.flatten(states[0]).spans if s.name.startswith("model/")
              and s.tensor.numel() * s.tensor.element_size() < 4096]
 
     def info(*extra: str) -> str:
@@ -153,7 +153,7 @@ def test_info_lists_a_pack_as_one_row(tmp_path) -> None:
 
 def test_every_packable_dtype_round_trips_as_deltas(tmp_path) -> None:
     state = {"m": {f"t{i}_{d}": (torch.arange(5 + i) % 2).to(d) for i in range(3)
-                   for d in tpde.tree.PACKABLE}}
+                   for d in tpde.state.tree.PACKABLE}}
     changed = {"m": {k: ~v if v.dtype == torch.bool else v + 1 for k, v in state["m"].items()}}
     run = str(tmp_path / "run")
     with tpde.Checkpointer(run) as ck:
@@ -163,4 +163,4 @@ def test_every_packable_dtype_round_trips_as_deltas(tmp_path) -> None:
     assert_same(state, reader.load(0))
     assert_same(changed, reader.load(1))
     records = reader.chain.manifest(1).records
-    assert len(records) == len(tpde.tree.PACKABLE) and all(r.parts == 3 for r in records)
+    assert len(records) == len(tpde.state.tree.PACKABLE) and all(r.parts == 3 for r in records)

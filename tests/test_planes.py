@@ -1,4 +1,4 @@
-"""The byte-plane and residual loops in C (``tpde._planes``) against numpy's, which stays the
+"""The byte-plane and residual loops in C (``tpde.codec._planes``) against numpy's, which stays the
 path wherever the extension is not built or the words do not suit it."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tpde import FormatError, decoder, frames, transform, unframe
+from tpde import FormatError
+
+from tpde.codec import decoder, frames, transform, unframe
 
 WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PATHS = pytest.mark.parametrize("c", [True, False], ids=["c", "numpy"])
@@ -18,7 +20,8 @@ PATHS = pytest.mark.parametrize("c", [True, False], ids=["c", "numpy"])
 def test_the_c_planes_are_built() -> None:
     # Built by `pip install -e .` wherever a C compiler is found; without it every test here
     # would silently run numpy twice.
-    assert frames.native is not None, "tpde._planes was not built: install a C compiler, reinstall"
+    assert frames.native is not None, \
+        "tpde.codec._planes was not built: install a C compiler, reinstall"
 
 
 def words_of(width: int, n: int, seed: int, spread: int = 100) -> torch.Tensor:

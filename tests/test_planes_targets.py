@@ -1,4 +1,4 @@
-"""``tpde._planes`` built for one instruction set at a time gives the same bytes as the build
+"""``tpde.codec._planes`` built for one instruction set at a time gives the same bytes as the build
 installed, whichever of its clones the CPU chose: the baseline (what a CPU without AVX2 runs),
 and x86-64-v3 and v4 where this CPU can run them. The installed build's clone is the only one
 the other tests reach on a given machine."""
@@ -17,7 +17,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from tpde import frames
+from tpde.codec import frames
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from planes_bench import build  # noqa: E402  (the benchmark's build, flags and all)

@@ -269,7 +269,7 @@ def test_rebased_steps_stay_named_by_their_checkpoint_entries(tmp_path) -> None:
         ck.remove(1)  # step 2's delta read step 1: re-coded into a new blob
         m = ck.chain.manifest(2)
         assert m.id == first and m.blob != first and m.format == 6
-    from tpde import entry
+    from tpde.entries import entry
 
     entry.check(Chain(url), 2, first, "the entry")  # does not raise: the same step
 

@@ -14,7 +14,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 import tpde
-from tpde import store
+from tpde.store import store
 
 
 class Failing(MemoryFileSystem):
@@ -156,7 +156,7 @@ def test_a_store_that_accepts_connections_and_never_answers_fails_at_once(monkey
     import socket
 
     pytest.importorskip("s3fs", reason="needs s3fs: pip install 'tpde[dev]'")
-    monkeypatch.setattr(store, "OP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(store, "OP_TIMEOUT_S", 2.0)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
@@ -175,9 +175,11 @@ def test_a_store_that_accepts_connections_and_never_answers_fails_at_once(monkey
     try:
         s = store.Store("s3://tpde/silent-run", options)
         with pytest.raises(tpde.StoreError, match=r"nothing answers at its store.*no answer "
-                                                  r"within 0.5 s"):
+                                                  r"within 2 s"):
             s.exists("tpde.json")
-        assert len(held) == 1  # one request, not one per retry
+        # One request, not one per retry (none at all where a loaded machine had not sent it
+        # before the deadline).
+        assert len(held) <= 1
     finally:
         server.close()
         for conn in held:

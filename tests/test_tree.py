@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import assert_same
-from tpde import tree
+from tpde.state import tree
 from tpde.errors import FormatError
 
 BASE = torch.arange(64, dtype=torch.float32)

@@ -11,13 +11,15 @@ from typing import Any, Iterable
 
 import torch
 
-from . import codec, dtypes, frames, quant, transform, tree
-from .heap import Trims
-from .chain import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, PREVIOUS, Chain, GcReport, Problem,
-                    Reference)
-from .errors import UnsafeContentWarning
-from .lease import DEFAULT_LEASE_SECONDS, Lease
-from .manifest import Manifest, collector_paused
+from tpde.codec import dtypes, encoder, frames, quant, transform
+
+from tpde.state import tree
+from tpde.runtime.heap import Trims
+from tpde.chain import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, PREVIOUS, Chain, GcReport, Problem,
+                        Reference)
+from tpde.errors import UnsafeContentWarning
+from tpde.store.lease import DEFAULT_LEASE_SECONDS, Lease
+from tpde.manifest import Manifest, collector_paused
 
 
 def check_reference(reference: str) -> None:
@@ -193,8 +195,8 @@ class Checkpointer:
         self.max_inflight_bytes = max_inflight_bytes
         self.run = run
         self.keyframe_every = keyframe_every
-        self.settings = codec.Settings(level=level, chunk=chunk_bytes, threads=threads,
-                                       key_margin=key_margin)
+        self.settings = encoder.Settings(level=level, chunk=chunk_bytes, threads=threads,
+                                         key_margin=key_margin)
         self.chain = Chain(run, storage_options)
         self.lease = Lease(self.chain.store, lease_seconds)
         self._takeover = takeover

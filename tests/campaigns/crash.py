@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tpde  # noqa: E402
 from campaigns.common import build, state_at  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde import exclusive, store  # noqa: E402
+from tpde.store import exclusive, store  # noqa: E402
 
 #: Everything tpde does that touches a store passes through one of these.
 EVENTS = [(store.BlobWriter, "write"), (store.BlobWriter, "close"), (store.Store, "put_atomic"),

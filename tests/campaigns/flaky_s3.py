@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import tpde  # noqa: E402
 from campaigns.s3 import moto_server  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde import store  # noqa: E402
+from tpde.store import store  # noqa: E402
 
 FAULTS = ("refuse", "stall", "cut", "slow")
 

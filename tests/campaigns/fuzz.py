@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 import tpde
-from tpde import elias, entry, frames, manifest, unframe
+from tpde import manifest
+from tpde.codec import elias, frames, unframe
+from tpde.entries import entry
 from tpde.chain import Chain
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")

@@ -114,7 +114,7 @@ class Reference:
 def checkpoints(folder: str) -> dict[str, tuple[int, Any]]:
     """Every .ckpt file in ``folder`` that names a committed step: its global step and state
     dict (a pending entry reads as the entry it replaced)."""
-    from tpde import entry
+    from tpde.entries import entry
 
     out = {}
     for name in sorted(os.listdir(folder)):

@@ -14,12 +14,12 @@ A step is written blob first, manifest last, so a crash leaves at most an unrefe
 decisions out, and ``spans`` puts a rebuilt step's tensors together.
 """
 
-from .base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reads, Reference
-from .plan import DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest
-from .read import DECODE_BATCH_BYTES
-from .retain import Retainer
-from .spans import lossy_summary, span_places, span_words
-from .write import PIECE_BYTES
+from tpde.chain.base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reads, Reference
+from tpde.chain.plan import DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest
+from tpde.chain.read import DECODE_BATCH_BYTES
+from tpde.chain.retain import Retainer
+from tpde.chain.spans import lossy_summary, span_places, span_words
+from tpde.chain.write import PIECE_BYTES
 
 
 class Chain(Retainer):

@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .. import codec
-from ..errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
-from ..manifest import Manifest, Record, parse
-from ..store import Store
-from .plan import KEYFRAME, PREVIOUS
+from tpde.codec import encoder
+from tpde.errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
+from tpde.manifest import Manifest, Record, parse
+from tpde.store.store import Store
+from tpde.chain.plan import KEYFRAME, PREVIOUS
 
 MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
 Progress = Callable[[int], None]
@@ -50,7 +50,7 @@ class Reference:
     words: dict[str, torch.Tensor]
     held: bool = True
     #: Each tensor's delta coding as last chosen, tried first at the next save.
-    choices: dict[str, codec.Choice] = field(default_factory=dict)
+    choices: dict[str, encoder.Choice] = field(default_factory=dict)
     #: Deltas against keyframes only: the step whose words ``words`` holds, by tensor (its
     #: keyframe record's, not ``step``), and how many deltas it has stored since.
     at: dict[str, int] = field(default_factory=dict)

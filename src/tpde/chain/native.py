@@ -1,4 +1,4 @@
-"""Records rebuilt in one C call outside the GIL (``tpde._rebuild``): a mount's decodes, and
+"""Records rebuilt in one C call outside the GIL (``tpde.codec._rebuild``): a mount's decodes, and
 a restore's batches.
 
 A mount at budget 0 rebuilds each module's tensors on every forward. Through ``materialize``
@@ -28,11 +28,13 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .. import dtypes, elias, extensions, frame_threads, unframe
-from ..errors import TPDEError
-from ..manifest import XXH3, Record, SectionRef
-from ..transform import residual_mode
-from .base import ChainBase, Progress
+from tpde.codec import dtypes, elias, unframe
+
+from tpde.runtime import extensions, frame_threads
+from tpde.errors import TPDEError
+from tpde.manifest import XXH3, Record, SectionRef
+from tpde.codec.transform import residual_mode
+from tpde.chain.base import ChainBase, Progress
 
 _rebuild = extensions.load("_rebuild")
 

@@ -18,14 +18,15 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .. import codec, decoder, dtypes, frames
-from ..errors import StepNotFoundError, TPDEError
-from ..manifest import Manifest, Record, collector_paused, format_for, hash_matches
-from .base import DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name, numbered
-from .decode import TASK_BYTES, decompress, in_runs, pools
-from .plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth, holder,
-                   plan_rebase, readers_of, record_depth)
-from .write import Writer, put_sections
+from tpde.codec import decoder, dtypes, encoder, frames
+from tpde.errors import StepNotFoundError, TPDEError
+from tpde.manifest import Manifest, Record, collector_paused, format_for, hash_matches
+from tpde.chain.base import (DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name,
+                             numbered)
+from tpde.chain.decode import TASK_BYTES, decompress, in_runs, pools
+from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth,
+                             holder, plan_rebase, readers_of, record_depth)
+from tpde.chain.write import Writer, put_sections
 
 #: Raw bytes of records re-coded at once by a re-base (and stored bytes copied at once).
 REBASE_BATCH_BYTES = 64 << 20
@@ -41,7 +42,7 @@ class Retainer(Writer):
         self.store.put_atomic(f"{REMOVED}/{name(step)}", b"")
 
     @collector_paused()
-    def collect(self, *, keep: Iterable[int] = (), settings: codec.Settings | None = None,
+    def collect(self, *, keep: Iterable[int] = (), settings: encoder.Settings | None = None,
                 keyframe_every: int = DEFAULT_KEYFRAME_EVERY, report: GcReport | None = None,
                 later: Reference | None = None) -> GcReport:
         """Re-base the visible steps (and ``keep``) off hidden ones, then delete every hidden
@@ -58,13 +59,13 @@ class Retainer(Writer):
                 self._purge(step, report, sizes)
         return report
 
-    def rebase(self, kept: Iterable[int], *, settings: codec.Settings | None = None,
+    def rebase(self, kept: Iterable[int], *, settings: encoder.Settings | None = None,
                keyframe_every: int = DEFAULT_KEYFRAME_EVERY, report: GcReport | None = None,
                later: Reference | None = None) -> GcReport:
         """Rewrite the records of ``kept`` steps that read from steps outside ``kept``."""
         report = report or GcReport()
         started = time.perf_counter()
-        settings = settings or codec.Settings()
+        settings = settings or encoder.Settings()
         for step, rewrites in plan_rebase(self.lazy(), kept, self.deltas_against()):
             self._rewrite(step, rewrites, settings, keyframe_every, later)
             report.rebased_steps.append(step)
@@ -72,7 +73,7 @@ class Retainer(Writer):
         report.rebase_seconds += time.perf_counter() - started
         return report
 
-    def _rewrite(self, step: int, rewrites: list[Rewrite], settings: codec.Settings,
+    def _rewrite(self, step: int, rewrites: list[Rewrite], settings: encoder.Settings,
                  keyframe_every: int, later: Reference | None = None) -> None:
         """Carry out one step's part of a re-base plan: a new blob (only if some record gets
         data of its own), then the new manifest, then the old blob goes."""
@@ -124,7 +125,7 @@ class Retainer(Writer):
                                    depth=deepest)
 
     def _rewrite_batch(self, old: Manifest, batch: list[Record], plan: dict[str, Rewrite],
-                       settings: codec.Settings, keyframe_every: int,
+                       settings: encoder.Settings, keyframe_every: int,
                        later: Reference | None = None
                        ) -> Iterator[tuple[Record, dict[str, frames.Section]]]:
         """The records of one batch that hold data, with the sections to write for them:
@@ -228,16 +229,16 @@ class Retainer(Writer):
         got = in_runs(pools()[0].map, _taken_back, jobs, [r.raw_bytes for r, *_ in jobs])
         return {r.name: words for (r, *_), words in zip(jobs, got) if words is not None}
 
-    def _carried(self, r: Record, step: int) -> codec.Choice | None:
+    def _carried(self, r: Record, step: int) -> encoder.Choice | None:
         """The coding ``r`` was saved with, tried first against its new reference as a save
-        tries the one its tensor was last coded with (``codec.REVALIDATE``): a re-base coded
+        tries the one its tensor was last coded with (``encoder.REVALIDATE``): a re-base coded
         each record every way, over a quarter of G's 20 removals."""
         key = self._lineage(r.name, step)[0][1]
         if r.codec not in ("dense", "sparse") or key.codec != "key":
             return None
         words = r.numel * dtypes.by_name(r.dtype).words_per_element
-        return codec.Choice((r.codec, r.residual), r.stored_bytes / words,
-                            key.stored_bytes / words, r.density) if words else None
+        return encoder.Choice((r.codec, r.residual), r.stored_bytes / words,
+                              key.stored_bytes / words, r.density) if words else None
 
     def _replace(self, old: Manifest, new: Manifest) -> None:
         """Commit a rewritten manifest, then delete the blob it no longer uses."""
@@ -246,7 +247,7 @@ class Retainer(Writer):
             self.store.delete(blob)
 
     def gc(self, *, grace_seconds: float = 3600.0, keep: Iterable[int] = (),
-           settings: codec.Settings | None = None,
+           settings: encoder.Settings | None = None,
            keyframe_every: int = DEFAULT_KEYFRAME_EVERY, later: Reference | None = None
            ) -> GcReport:
         """``collect``, then delete leftovers of crashed saves and re-bases.
@@ -350,11 +351,11 @@ def _taken_back(r: Record, h: Record, words: torch.Tensor, framed: dict | None
     return words if hash_matches(words.view(torch.uint8).numpy(), r.hash) else None
 
 
-def _recode(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, codec.Choice | None]], *,
-            settings: codec.Settings) -> list[codec.Encoding]:
+def _recode(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, encoder.Choice | None]], *,
+            settings: encoder.Settings) -> list[encoder.Encoding]:
     """A run of records coded again against their new references (None: as keyframes): those
-    whose coding is known together (``codec.encode_many``: G's re-bases re-key a hundred small
+    whose coding is known together (``encoder.encode_many``: G's re-bases re-key a hundred small
     tensors each), the others one by one."""
-    known = codec.encode_many(jobs, settings)
-    return [enc or codec.encode(words, ref, kind, settings, choice=choice)
+    known = encoder.encode_many(jobs, settings)
+    return [enc or encoder.encode(words, ref, kind, settings, choice=choice)
             for (words, ref, kind, choice), enc in zip(jobs, known)]

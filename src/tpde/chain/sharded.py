@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
-from .. import dtypes, tree
-from ..errors import FormatError
-from ..manifest import Manifest
+from tpde.codec import dtypes
+
+from tpde.state import tree
+from tpde.errors import FormatError
+from tpde.manifest import Manifest
 
 
 def item_records(m: Manifest, fqn: str) -> list[str]:

@@ -8,9 +8,9 @@ from typing import Callable, Iterable
 
 import torch
 
-from .. import dtypes, quant
-from ..errors import LossyWarning
-from ..manifest import Record
+from tpde.codec import dtypes, quant
+from tpde.errors import LossyWarning
+from tpde.manifest import Record
 
 
 def span_places(recs: list[Record], empty: Callable[[int, torch.dtype], torch.Tensor]

@@ -13,14 +13,20 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from .. import codec, dtypes, exclusive, frame_threads, frames, quant, transform, tree
-from ..errors import StepExistsError, TPDEError
-from ..manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
-from ..store import BlobWriter
-from .base import DATA, MARKER, GcReport, Reference, manifest_path, name
-from .plan import (KEYFRAME, PREVIOUS, Candidate, Piece, batches, candidates, holder, piece_starts,
-                   pieces, plan_keys, record_depth)
-from .read import Reader
+from tpde.codec import dtypes, encoder, frames, quant, transform
+
+from tpde.store import exclusive
+
+from tpde.runtime import frame_threads
+
+from tpde.state import tree
+from tpde.errors import StepExistsError, TPDEError
+from tpde.manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
+from tpde.store.store import BlobWriter
+from tpde.chain.base import DATA, MARKER, GcReport, Reference, manifest_path, name
+from tpde.chain.plan import (KEYFRAME, PREVIOUS, Candidate, Piece, batches, candidates, holder,
+                             piece_starts, pieces, plan_keys, record_depth)
+from tpde.chain.read import Reader
 
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
 #: pieces, each a record of its own, so that encoding a tensor, or reading its reference back
@@ -87,7 +93,7 @@ class Started(NamedTuple):
     source: int | None
     digest: str | None
     bound: quant.Bound | None
-    choice: codec.Choice | None
+    choice: encoder.Choice | None
 
 
 class Encoded(NamedTuple):
@@ -97,7 +103,7 @@ class Encoded(NamedTuple):
 
     dtype: dtypes.DType
     host: torch.Tensor | None  # the next save's reference words (None: none kept)
-    enc: codec.Encoding
+    enc: encoder.Encoding
     digest: str
     bound: quant.Bound | None
     ref: int | None
@@ -155,7 +161,7 @@ class Writer(Reader):
 
     @collector_paused()
     def write(self, step: int, flat: tree.Flat, reference: Reference | None, *,
-              settings: codec.Settings, keyframe_every: int, keep_reference: bool = True,
+              settings: encoder.Settings, keyframe_every: int, keep_reference: bool = True,
               max_inflight_bytes: int = 256 << 20, owned: bool = False,
               bounds: Callable[[str], quant.Bound | None] | None = None,
               against: str = PREVIOUS) -> tuple[Manifest, Reference]:
@@ -180,6 +186,8 @@ class Writer(Reader):
         """
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
+        if any(span.tensor.is_cuda for span in flat.spans):
+            import tpde.kernels.nvcomp  # noqa: F401  (registers the GPU's compressor)
         self._make_room(step)
         bound = max(1, max_inflight_bytes // 2)
         # No larger than a piece: a pack is never cut.
@@ -216,7 +224,7 @@ class Writer(Reader):
         writer = self.store.open_write(blob_rel)
         records: list[Record] = []
         new_words: dict[str, torch.Tensor] = {}
-        choices: dict[str, codec.Choice] = {}
+        choices: dict[str, encoder.Choice] = {}
         held_at: dict[str, int] = {}  # against keyframes: the step of each reference's words
         since_key: dict[str, int] = {}
         deepest = 0
@@ -233,7 +241,7 @@ class Writer(Reader):
                 else None
 
         def same(piece: Piece, dt: dtypes.DType, host: torch.Tensor | None,
-                 enc: codec.Encoding, bound: quant.Bound | None, src: int) -> Encoded:
+                 enc: encoder.Encoding, bound: quant.Bound | None, src: int) -> Encoded:
             """Bit-identical to ``src``'s words, whose hash is known: a repeated save hashes
             nothing, and the record points where that step's data is."""
             held = self.manifest(src).record(piece.name)
@@ -259,7 +267,7 @@ class Writer(Reader):
                     if reference.at.get(piece.name) != at:
                         ref_words = None  # read back at the next save
                     return Encoded(dt, ref_words if keep_reference else None,
-                                   codec.Encoding("same"), digest, None,
+                                   encoder.Encoding("same"), digest, None,
                                    holder(prev_m.step, prev), record_depth(self.lazy(), prev), at)
             if src is None:
                 ref_words = None
@@ -273,13 +281,13 @@ class Writer(Reader):
             choice = reference.choices.get(piece.name) if reference else None
             return Started(dt, words, ref_words, spare, src, digest, bound, choice)
 
-        def finish(piece: Piece, at: Started, enc: codec.Encoding | None) -> Encoded:
+        def finish(piece: Piece, at: Started, enc: encoder.Encoding | None) -> Encoded:
             """The piece's record from its coding (None: coded here, every option weighed),
             and the words the next save codes against."""
             dt, words, ref_words, spare, src, digest, bound, choice = at
             if enc is None:
-                enc = codec.encode(words, ref_words, dt.kind, settings, bound=bound,
-                                   dtype=dt.name, choice=choice)
+                enc = encoder.encode(words, ref_words, dt.kind, settings, bound=bound,
+                                     dtype=dt.name, choice=choice)
             if enc.keyed:
                 src = None
             if star and src is not None:
@@ -303,15 +311,15 @@ class Writer(Reader):
                            src)
 
         def code(batch: list[Piece], known: list[Encoded | None]) -> list[Encoded]:
-            """A batch's exact pieces coded together where ``codec.encode_many`` can (their
+            """A batch's exact pieces coded together where ``encoder.encode_many`` can (their
             coding settled before anything is compressed), the others one by one."""
             started = [k or begin(p) for p, k in zip(batch, known)]
             todo = [i for i, a in enumerate(started)
                     if isinstance(a, Started) and a.bound is None]
-            coded: list[codec.Encoding | None] = [None] * len(batch)
+            coded: list[encoder.Encoding | None] = [None] * len(batch)
             if todo:
                 jobs = [started[i] for i in todo]
-                for i, enc in zip(todo, codec.encode_many(
+                for i, enc in zip(todo, encoder.encode_many(
                         [(a.words, a.ref_words, a.dtype.kind, a.choice) for a in jobs],
                         settings)):
                     coded[i] = enc
@@ -341,7 +349,7 @@ class Writer(Reader):
                 return None
             del reference.words[piece.name]
             return same(piece, dt, ref_words,
-                        codec.Encoding("same", choice=reference.choices.get(piece.name)),
+                        encoder.Encoding("same", choice=reference.choices.get(piece.name)),
                         bound_of(piece), prev_m.step)
 
         def commit(piece: Piece, done: Encoded) -> None:

@@ -1,6 +1,6 @@
 """The ``tpde`` command line. ``main`` parses the arguments and runs one command: ``inspect``
 holds the commands that only read a run, ``write`` those that write files or the run."""
 
-from .main import main
+from tpde.cli.main import main
 
 __all__ = ["main"]

@@ -2,7 +2,7 @@
 
 import sys
 
-from .main import main
+from tpde.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from .. import checkpoint_folder
-from . import show
-from ..against import distances
-from ..chain import KEYFRAME, Chain, lossy_summary
-from ..errors import LossyWarning, StepNotFoundError, TPDEError
+from tpde.entries import checkpoint_folder
+from tpde.cli import show
+from tpde.cli.against import distances
+from tpde.chain import KEYFRAME, Chain, lossy_summary
+from tpde.errors import LossyWarning, StepNotFoundError, TPDEError
 
 err = show.err
 

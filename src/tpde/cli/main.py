@@ -11,11 +11,11 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from .. import __version__
-from ..errors import TPDEError
+from tpde import __version__
+from tpde.errors import TPDEError
 
 if TYPE_CHECKING:
-    from ..chain import Chain
+    from tpde.chain import Chain
 
 
 def _options(pairs: list[str]) -> dict[str, Any]:
@@ -45,7 +45,7 @@ class _Version(argparse.Action):
     """``--version``: the extensions are looked at only when it is asked for."""
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        from .. import extensions
+        from tpde.runtime import extensions
 
         print(f"tpde {__version__} ({extensions.note()})")
         parser.exit()
@@ -110,7 +110,7 @@ def parser() -> argparse.ArgumentParser:
 def command(name: str) -> Callable[[Chain, argparse.Namespace], int]:
     """The function of command ``name``. The commands (and torch) are imported once one runs:
     ``--help`` and ``--version`` answer without them."""
-    from . import inspect, write
+    from tpde.cli import inspect, write
 
     return {"ls": inspect.cmd_ls, "info": inspect.cmd_info, "restore": write.cmd_restore,
             "verify": inspect.cmd_verify, "export": write.cmd_export, "gc": write.cmd_gc,
@@ -119,7 +119,7 @@ def command(name: str) -> Callable[[Chain, argparse.Namespace], int]:
 
 def _resolve(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Chain, str | None]:
     """The chain RUN names and, for a checkpoint folder, the folder; an entry sets ``--step``."""
-    from .. import checkpoint_folder, entry
+    from tpde.entries import checkpoint_folder, entry
 
     chain, step, folder = entry.resolve(args.run, options)
     given = getattr(args, "step", None)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except TPDEError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
-        from .show import err
+        from tpde.cli.show import err
 
         err.print(f"tpde: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return 1

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 from rich.table import Table
 
-from ..chain import AtRest, Chain, Reads
-from ..manifest import Manifest
-from ..quant import Bound, applies
+from tpde.chain import AtRest, Chain, Reads
+from tpde.manifest import Manifest
+from tpde.codec.quant import Bound, applies
 
 #: Messages for people go to stderr; stdout carries tables and JSON.
 err = Console(stderr=True)

@@ -10,13 +10,17 @@ from typing import Any
 
 import torch
 
-from .. import checkpoint_folder, dtypes, tree
-from . import show
-from ..api import Checkpointer, Snapshot
-from ..chain import Chain, span_words
-from ..errors import LossyWarning, StepExistsError, TPDEError
-from ..keys import weights_key
-from ..lease import Lease
+from tpde.entries import checkpoint_folder
+
+from tpde.codec import dtypes
+
+from tpde.state import tree
+from tpde.cli import show
+from tpde.api import Checkpointer, Snapshot
+from tpde.chain import Chain, span_words
+from tpde.errors import LossyWarning, StepExistsError, TPDEError
+from tpde.state.keys import weights_key
+from tpde.store.lease import Lease
 
 err = show.err
 

@@ -10,11 +10,11 @@ from it (read lazily, as a chain's reader reads it, each record when it is first
 
 from __future__ import annotations
 
-from .model import (BOUNDED_FORMAT, DIGEST_SIZE, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS,
+from tpde.manifest.model import (BOUNDED_FORMAT, DIGEST_SIZE, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS,
                     MAX_MANIFEST_BYTES, PACKED_FORMAT, PIECES_FORMAT, SHARDED_FORMAT, XXH3,
                     XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record, Records, SectionRef, canonical,
                     content_hash, format_for, hash_matches, record_hash)
-from .parsing import collector_paused, parse, plain
+from tpde.manifest.parsing import collector_paused, parse, plain
 
 __all__ = ["BOUNDED_FORMAT", "DIGEST_SIZE", "FORMAT", "FRAMED_FORMAT", "MAX_ELEMENTS",
            "MAX_MANIFEST_BYTES", "PACKED_FORMAT", "PIECES_FORMAT", "SHARDED_FORMAT", "XXH3",

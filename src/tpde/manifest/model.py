@@ -13,8 +13,8 @@ import numpy as np
 import xxhash
 import zstandard
 
-from .. import dtypes
-from ..errors import FormatError
+from tpde.codec import dtypes
+from tpde.errors import FormatError
 
 #: The newest format this tpde reads: format 7 adds packs (records holding many small spans
 #: end to end, which the skeleton's tensors view by their ``part``), written by every save

@@ -15,12 +15,12 @@ from typing import Any, Iterator
 import torch
 import zstandard
 
-from .. import codec, dtypes, quant, transform, unframe
-from ..errors import FormatError
-from .model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS, MAX_MANIFEST_BYTES,
-                    PACKED_FORMAT, PIECES_FORMAT, SHARDED_FORMAT, XXH3_FORMAT, ZSTD_MAGIC,
-                    Manifest, Record, Records, SectionRef, Unread, canonical, content_hash,
-                    written_body)
+from tpde.codec import dtypes, encoder, quant, transform, unframe
+from tpde.errors import FormatError
+from tpde.manifest.model import (BOUNDED_FORMAT, FORMAT, FRAMED_FORMAT, MAX_ELEMENTS,
+                                 MAX_MANIFEST_BYTES, PACKED_FORMAT, PIECES_FORMAT, SHARDED_FORMAT,
+                                 XXH3_FORMAT, ZSTD_MAGIC, Manifest, Record, Records, SectionRef,
+                                 Unread, canonical, content_hash, written_body)
 
 
 def plain(data: bytes, *, step: int | None = None) -> bytes:
@@ -277,7 +277,7 @@ def _record(r: dict[str, Any], b: dict[str, Any]) -> Record:
     if not _is_device(rec.device):
         raise FormatError(f"record names device {rec.device!r}, which is no device",
                           tensor=rec.name)
-    if rec.codec not in codec.CODECS or rec.residual not in (None, *transform.RESIDUALS):
+    if rec.codec not in encoder.CODECS or rec.residual not in (None, *transform.RESIDUALS):
         raise FormatError(f"unknown codec {rec.codec!r}/{rec.residual!r}", tensor=rec.name)
     if (rec.bound is not None or rec.error is not None) and b["format"] < BOUNDED_FORMAT:
         raise FormatError(f"format {b['format']} manifest holds an error bound", tensor=rec.name)

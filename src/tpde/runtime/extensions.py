@@ -18,7 +18,7 @@ _said = False
 
 def _try(name: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"tpde.{name}")
+        return importlib.import_module(f"tpde.codec.{name}")
     except ImportError:
         return None
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .chain import Chain
-from .entry import (CHAIN_DIR, MAX_ENTRY_BYTES, CheckpointEntry, PendingEntry, filesystem,
-                    parse_any, same_chain, to_bytes)
-from .errors import FormatError, TPDEError
-from .store import Store
+from tpde.chain import Chain
+from tpde.entries.entry import (CHAIN_DIR, MAX_ENTRY_BYTES, CheckpointEntry, PendingEntry,
+                                filesystem, parse_any, same_chain, to_bytes)
+from tpde.errors import FormatError, TPDEError
+from tpde.store.store import Store
 
 #: In every entry's JSON member, which is stored uncompressed: a file that holds it was one.
 MARK = b'"format": "tpde-entry"'

@@ -30,7 +30,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .errors import TPDEError
+from tpde.errors import TPDEError
 
 #: Elements handled at once, so the float64 temporaries stay a few MB whatever the tensor.
 BLOCK = 1 << 20

@@ -26,7 +26,7 @@ import threading
 import uuid
 from typing import Iterator
 
-from .store import Store, _fsync_dir, write_error
+from tpde.store.store import Store, _fsync_dir, write_error
 
 try:
     import fcntl

@@ -19,8 +19,8 @@ from typing import Iterable
 import numpy as np
 import zstandard
 
-from . import extensions
-from .frame_threads import spread
+from tpde.runtime import extensions
+from tpde.runtime.frame_threads import spread
 
 # Byte planes and residuals in C (_planes.c), with the GIL released; else numpy's passes.
 native = extensions.load("_planes")

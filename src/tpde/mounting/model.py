@@ -8,7 +8,7 @@ order are decoded on a worker thread (on a CUDA device, on a stream of its own) 
 current one is decoded and computes, within the budget plus the largest module. On a CUDA
 device the words are rebuilt there: nvCOMP decompresses and Triton kernels do the rest
 (``tpde.kernels.backend``). Nothing is ever written to the store. Which records each
-module needs, and how its tensors view them, is worked out once, by ``tpde.slots``.
+module needs, and how its tensors view them, is worked out once, by ``tpde.mounting.slots``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from . import frame_threads, heap, slots
-from . import entry as entries
-from .api import whole
-from .chain import Chain, native, sharded, span_words
-from .errors import CorruptionError, TPDEError
-from .resident import ResidentStore
+from tpde.runtime import frame_threads, heap
+
+from tpde.mounting import slots
+from tpde.entries import entry as entries
+from tpde.api import whole
+from tpde.chain import Chain, native, sharded, span_words
+from tpde.errors import CorruptionError, TPDEError
+from tpde.store.resident import ResidentStore
 
 #: Free heap a mount at budget 0 lets build up beyond what it held after its last trim, looked
 #: at once for every as many bytes of words rebuilt (``heap.Trims``). The
@@ -83,7 +85,7 @@ class Mount:
                 raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of "
                                 "torch)")
             kernels = triton_kernels.available()
-        #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec).
+        #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec.encoder).
         self.on = device if kernels else None
         if resident not in ("auto", "host", "store"):
             raise ValueError('resident must be "auto", "host" or "store"')

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from .store import Store
+from tpde.store.store import Store
 
 
 class ResidentStore:

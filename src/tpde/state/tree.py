@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import dtypes
-from .errors import FormatError, TPDEError, UnsafeContentError, UnsupportedError
+from tpde.codec import dtypes
+from tpde.errors import FormatError, TPDEError, UnsafeContentError, UnsupportedError
 
 MapLocation = str | torch.device | dict[str, str] | Callable[[str], str] | None
 

@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import elias, frames, quant
-from .transform import native_rows, residual, residual_kinds, residual_mode, shuffle
+from tpde.codec import elias, frames, quant
+from tpde.codec.transform import native_rows, residual, residual_kinds, residual_mode, shuffle
 
 if sys.byteorder != "little":  # pragma: no cover - torch supports little-endian hosts only
     raise ImportError("tpde needs a little-endian host")
@@ -125,6 +125,13 @@ class Encoding:
 
 
 # ---------------------------------------------------------------- encoding
+#: Compressors of byte planes on a device, by device type: ``(planes, level, chunk)`` to a
+#: section of standard zstd frames, or None where the device's library is missing. The GPU
+#: side registers its own as it loads (``tpde.kernels.nvcomp``), so that the codec stands on
+#: nothing of it; words of a device without one are compressed on the host.
+DEVICE_COMPRESSORS: dict[str, Callable[[torch.Tensor, int | None, int], frames.Section | None]] = {}
+
+
 def plane_chunk(words: int, target: int) -> int:
     """A chunk size near ``target`` that tiles the byte planes of ``words`` words.
 
@@ -145,11 +152,11 @@ def _compress(words: torch.Tensor, s: Settings, *, against: np.ndarray | None = 
     ``native_rows`` gives them), those of their residual in ``mode``. ``rows``: the words'
     own, where the caller has them already."""
     chunk = plane_chunk(words.numel(), s.chunk)
-    if words.is_cuda:
-        from tpde.kernels import nvcomp
-
-        if nvcomp.available():
-            return nvcomp.compress(shuffle(words), level=s.level, chunk=chunk)
+    on_device = DEVICE_COMPRESSORS.get(words.device.type)
+    if on_device is not None:
+        section = on_device(shuffle(words), s.level, chunk)
+        if section is not None:
+            return section
     # Shuffled frame by frame as they are compressed: no byte planes are made beside the words.
     if rows is None:
         rows = words.contiguous().view(torch.uint8).cpu().numpy().reshape(-1,
@@ -340,8 +347,8 @@ def _changes(new: torch.Tensor, ref: torch.Tensor, rows: list[np.ndarray] | None
     also takes ``planes`` (``count`` bytes per plane), where it puts the changed words' XOR
     residual.
 
-    Host words are counted, and searched, by ``tpde._planes`` without a mask: on C's full chain
-    numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
+    Host words are counted, and searched, by ``tpde.codec._planes`` without a mask: on C's full
+    chain numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
     ``NUMPY_WORDS`` host words the mask is numpy's: torch's mask and count of a 1 MB tensor took
     189 us against numpy's 34 on the encode threads (its intra-op threads, started per call).
     Larger tensors keep torch's, whose threads pay there: numpy's on a sharded save's 16 MiB

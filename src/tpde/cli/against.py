@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
-from . import dtypes, quant, transform, tree
-from .errors import TPDEError
-from .manifest import Manifest
+from tpde.codec import dtypes, quant, transform
+
+from tpde.state import tree
+from tpde.errors import TPDEError
+from tpde.manifest import Manifest
 
 
 @dataclass

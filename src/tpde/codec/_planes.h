@@ -1,9 +1,9 @@
-/* What tpde._planes hands other extensions through its capsule `tpde._planes.api`. */
+/* What tpde.codec._planes hands other extensions through its capsule `tpde.codec._planes.api`. */
 #ifndef TPDE_PLANES_H
 #define TPDE_PLANES_H
 #include <Python.h>
 
-#define PLANES_API "tpde._planes.api"
+#define PLANES_API "tpde.codec._planes.api"
 
 typedef struct {
     /* Words of `width` bytes (1, 2, 4 or 8, aligned to it) from their byte planes (byte k of

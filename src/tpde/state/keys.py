@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .errors import TPDEError
+from tpde.errors import TPDEError
 
 #: Containers a model's state dict is commonly saved under (Lightning, ``attach``, plain).
 CONTAINERS = ("state_dict", "model", "module", "")

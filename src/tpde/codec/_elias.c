@@ -1,7 +1,7 @@
-/* The Elias-delta position coder of tpde.elias, in C.
+/* The Elias-delta position coder of tpde.codec.elias, in C.
  *
  * It writes and reads exactly the stream that tpde/elias.py specifies and codes with numpy
- * (docs/format.md, "Positions"); tpde.elias uses this module when it is built and falls back to
+ * (docs/format.md, "Positions"); tpde.codec.elias uses this module when it is built and falls back to
  * numpy when it is not. The numpy coder works a whole piece at a time in about fifteen passes
  * over temporaries; here each code is a few shifts, and the GIL is released for the whole loop,
  * so the encode and restore threads code positions side by side.
@@ -302,7 +302,7 @@ static int decode_lanes(const unsigned char *c, uint64_t size, const unsigned ch
 }
 
 /* decode(codes, nbits, sync, count, block, out): fills `out` (count int64) with the positions
- * of a stream whose header and sync table tpde.elias._parse has checked already. Damage raises
+ * of a stream whose header and sync table tpde.codec.elias._parse has checked already. Damage raises
  * ValueError with the message the numpy decoder gives it. */
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer codes, sync, out;

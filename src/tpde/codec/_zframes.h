@@ -1,9 +1,9 @@
-/* What tpde._zframes hands other extensions through its capsule `tpde._zframes.api`. */
+/* What tpde.codec._zframes hands other extensions through its capsule `tpde.codec._zframes.api`. */
 #ifndef TPDE_ZFRAMES_H
 #define TPDE_ZFRAMES_H
 #include <stddef.h>
 
-#define ZFRAMES_API "tpde._zframes.api"
+#define ZFRAMES_API "tpde.codec._zframes.api"
 enum { MAX_WHY = 160 };
 
 typedef struct {

@@ -11,13 +11,13 @@
  *                                 out[i * chunk:], each exactly min(chunk, rest) bytes
  *   version()                     the zstd library's version number; 0 where none was found
  *
- * A capsule, tpde._zframes.api (struct zframes_api, in _zframes.h), hands the checked frame
- * decode and each thread's context to tpde._rebuild, which decompresses a mounted module's
+ * A capsule, tpde.codec._zframes.api (struct zframes_api, in _zframes.h), hands the checked frame
+ * decode and each thread's context to tpde.codec._rebuild, which decompresses a mounted module's
  * frames on threads that never hold the GIL.
  *
  * zstd is the system's shared library (libzstd.so.1 and its kin), opened as the module loads:
  * zstandard links its own copy without exporting it. Where none is found, version() is 0 and
- * tpde.unframe keeps to zstandard. Every frame's declared size is checked against its chunk's
+ * tpde.codec.unframe keeps to zstandard. Every frame's declared size is checked against its chunk's
  * before it is decompressed, and zstd is given exactly that much room, so a frame that claims
  * or produces more is refused, and so is one that produces less (or is followed by bytes that
  * are not a frame of their own).
@@ -178,7 +178,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_zframes",
-                                    "A small stream's zstd frames in one call (tpde.unframe).",
+                                    "A small stream's zstd frames in one call (tpde.codec.unframe).",
                                     -1, methods};
 
 static int zstd_found(void) { return version_number != NULL; }

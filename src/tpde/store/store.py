@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import StoreError
+from tpde.errors import StoreError
 
 _INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-/* Byte planes and residuals of tpde.frames and tpde.transform, in C.
+/* Byte planes and residuals of tpde.codec.frames and tpde.codec.transform, in C.
  *
  * A stream of byte planes holds byte k of every word in plane k, and a delta's words are a
  * residual against the reference's (docs/format.md, "Values"). numpy does each step as its
@@ -20,11 +20,11 @@
  *   apply_at(residual, width, rows, positions)  a sparse delta's XOR residual applied to the
  *                                      words at its positions
  *
- * A capsule, tpde._planes.api (struct planes_api, in _planes.h), hands the join to
- * tpde._rebuild, which rebuilds a mounted module's words on threads that never hold the GIL.
+ * A capsule, tpde.codec._planes.api (struct planes_api, in _planes.h), hands the join to
+ * tpde.codec._rebuild, which rebuilds a mounted module's words on threads that never hold the GIL.
  *
  * rows, out and the words are contiguous bytes, bounds-checked; the word loops need words
- * aligned to their width on a little-endian host (tpde.frames.native_words checks before it
+ * aligned to their width on a little-endian host (tpde.codec.frames.native_words checks before it
  * calls them, and numpy's path takes the others). Modes: 0 store, 1 XOR, 2 the zigzagged
  * difference of the order-preserving integer images of floats, 3 that of integers; join and
  * apply also take 4 and 5, modes 2 and 3 undone (the words before a difference, from the words
@@ -541,7 +541,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_planes",
-                                    "Byte planes and residuals in C (see tpde.frames).", -1,
+                                    "Byte planes and residuals in C (see tpde.codec.frames).", -1,
                                     methods};
 
 static const planes_api api = {join_words, words_fit};

@@ -34,10 +34,12 @@ from typing import Any
 import fsspec
 import torch
 
-from . import keys, store, tree
-from .chain import MARKER, Chain
-from .errors import (FormatError, NotARunError, StepNotFoundError, StepPendingError,
-                     StoreError, TPDEError)
+from tpde.state import keys, tree
+
+from tpde.store import store
+from tpde.chain import MARKER, Chain
+from tpde.errors import (FormatError, NotARunError, StepNotFoundError, StepPendingError,
+                         StoreError, TPDEError)
 
 MEMBER = "archive/tpde-entry.json"
 #: Entries are about a kilobyte; anything larger at a checkpoint path is a plain checkpoint.

@@ -15,8 +15,10 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from . import frames, heap, unframe
-from .errors import FormatError
+from tpde.codec import frames, unframe
+
+from tpde.runtime import heap
+from tpde.errors import FormatError
 
 RESIDUALS = ("xor", "sub")
 #: Words a residual is computed or applied at a time: with torch (on a device) and with
@@ -33,7 +35,7 @@ def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 
 
 def native_rows(*words: torch.Tensor) -> list[np.ndarray] | None:
-    """The host words' bytes, one row per word, where ``tpde._planes``' word loops take every
+    """The host words' bytes, one row per word, where ``tpde.codec._planes``' word loops take every
     one of them (``frames.native_layout``: contiguous, aligned, all of one size); None where
     numpy's path must do the work. Asked of the tensors: numpy's address of an array took a
     microsecond, six times per tensor of a save."""
@@ -96,7 +98,7 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
     threads, each reading them through a ``unframe.Framed`` of its own. That is how a restore
     applies a dense delta: no residual as large as the tensor is allocated and filled first
     (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
-    fp32 delta: ``benchmarks/README.md``). With ``tpde._planes`` a slice's residual words are
+    fp32 delta: ``benchmarks/README.md``). With ``tpde.codec._planes`` a slice's residual words are
     joined from their planes and applied in the same pass: a step 15 dense deltas deep
     restored in 0.69 s instead of 0.92. ``undo``: as ``apply_residual``'s.
     """
@@ -139,7 +141,7 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
 
 def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     """Host words from their byte planes (a device's are put together by ``tpde.kernels``):
-    joined by ``tpde._planes`` where it is built, else as little-endian words built from the
+    joined by ``tpde.codec._planes`` where it is built, else as little-endian words built from the
     top plane down, a shift and an OR per plane, which beat a strided byte copy per plane
     (303 and 309 us a MiB of bf16 and fp32 words against 99 and 247, measured apart). In
     ``sparse_bench.py``, with fresh words: C 46-48 and 88-92 us a MiB, numpy 143 and
@@ -165,7 +167,7 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
 def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch.Tensor:
     """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
 
-    Host words are worked on in one pass by ``tpde._planes`` where it is built. Without it,
+    Host words are worked on in one pass by ``tpde.codec._planes`` where it is built. Without it,
     with numpy, as in ``apply_residual`` (20 ms for 10M fp32 words on one core, against 28 ms
     for torch on two), a ``sub`` residual is computed a slice at a time into its result, with
     one slice-sized temporary: every pass runs in cache, and a large tensor costs its result
@@ -228,7 +230,7 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
     reference that is rebuilt, from the words the residual was taken of (``ref`` here): XOR
     undoes itself, and a difference is taken off instead of added.
 
-    In one pass by ``tpde._planes`` where it is built, otherwise with numpy; not torch: a
+    In one pass by ``tpde.codec._planes`` where it is built, otherwise with numpy; not torch: a
     restore applies residuals on its frame threads, where torch's own intra-op threads would
     oversubscribe the cores (a 200 MB delta step restored 15-20% faster with numpy here than
     with torch).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FormatError, UnsupportedError
+from tpde.errors import FormatError, UnsupportedError
 
 #: How the words of a dtype may be differenced: ``float`` words have an order-preserving integer
 #: image, ``int`` words are integers already, ``raw`` words only support XOR.

@@ -14,11 +14,15 @@ from typing import Callable
 
 import torch
 
-from . import dtypes, heap, keys, tree
-from .chain import Chain, span_places
-from .chain import sharded
-from .errors import TPDEError
-from .manifest import Manifest
+from tpde.codec import dtypes
+
+from tpde.runtime import heap
+
+from tpde.state import keys, tree
+from tpde.chain import Chain, span_places
+from tpde.chain import sharded
+from tpde.errors import TPDEError
+from tpde.manifest import Manifest
 
 
 @dataclass(frozen=True)

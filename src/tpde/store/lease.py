@@ -20,9 +20,9 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from . import exclusive
-from .errors import WriterConflictError
-from .store import Store
+from tpde.store import exclusive
+from tpde.errors import WriterConflictError
+from tpde.store.store import Store
 
 LEASE = "lease.json"
 DEFAULT_LEASE_SECONDS = 3600.0

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import elias, frames, quant, unframe
-from .errors import FormatError
-from .transform import (HOST_SLICE, apply_residual, apply_streamed, native_rows, stream_words,
-                        unshuffle)
+from tpde.codec import elias, frames, quant, unframe
+from tpde.errors import FormatError
+from tpde.codec.transform import (HOST_SLICE, apply_residual, apply_streamed, native_rows,
+                                  stream_words, unshuffle)
 
 
 class CPU:

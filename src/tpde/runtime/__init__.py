@@ -1,0 +1,2 @@
+"""What the process provides the layers above: its frame threads, its decode buffers and
+heap, and which C extensions it has."""

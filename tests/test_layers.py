@@ -1,0 +1,95 @@
+"""The package's layers, read from the code's own imports: no module imports one of a layer
+above its own, anywhere in the module (an import inside a function counts as much as one at
+the top), and every module belongs to a layer, so a new one has to be placed.
+
+From the bottom: what the process provides; the codec (pure, no I/O); the GPU kernels, which
+plug into the codec; a state's structure; manifests; the store (all I/O); the chain; the front
+ends (the API, entries, mounts) and, above them, the CLI and the framework adapters.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: Source folders and the packages they are.
+SOURCES = {"src/tpde": "tpde", "plugins": "tpde.plugins", "kernels": "tpde.kernels"}
+#: Bottom first; a module may import from its own layer and those below.
+LAYERS = [
+    ("tpde.errors", "tpde.runtime"),
+    ("tpde.codec",),
+    ("tpde.kernels",),
+    ("tpde.state",),
+    ("tpde.manifest",),
+    ("tpde.store",),
+    ("tpde.chain",),
+    ("tpde.api", "tpde.entries", "tpde.mounting"),
+    ("tpde.cli", "tpde.plugins", "tpde.dcp", "tpde"),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module``: that of the longest layer name it is, or lies under."""
+    found: tuple[int, int] | None = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and \
+                    (found is None or len(name) > found[1]):
+                found = (i, len(name))
+    return None if found is None else found[0]
+
+
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder, package in SOURCES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts
+                     if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports(path: pathlib.Path, module: str) -> list[tuple[str, int]]:
+    """Every tpde module ``path`` imports, relative imports resolved, with its line."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # ``from tpde.codec import elias`` imports the module tpde.codec.elias
+            found += [(base, node.lineno)] + [(f"{base}.{a.name}", node.lineno)
+                                               for a in node.names]
+    return [(m, line) for m, line in found if m == "tpde" or m.startswith("tpde.")]
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted(m for m in modules() if layer_of(m) is None)
+    assert not unplaced, f"place these modules in a layer of LAYERS: {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_import_runs_upward(module: str) -> None:
+    path = modules()[module]
+    mine = layer_of(module)
+    upward = [f"{path.relative_to(ROOT)}:{line} imports {target}"
+              for target, line in imports(path, module)
+              if (theirs := layer_of(target)) is not None and mine is not None and theirs > mine]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_check_sees_an_upward_import(tmp_path: pathlib.Path) -> None:
+    """The walk over imports finds one inside a function, and a relative one."""
+    path = tmp_path / "encoder.py"
+    path.write_text("def f():\n    from tpde.kernels import nvcomp\n\nfrom ..chain import plan\n")
+    found = imports(path, "tpde.codec.encoder")
+    assert ("tpde.kernels.nvcomp", 2) in found and ("tpde.chain.plan", 4) in found
+    assert layer_of("tpde.kernels.nvcomp") > layer_of("tpde.codec.encoder")
+    assert layer_of("tpde.chain.plan") > layer_of("tpde.codec.encoder")
