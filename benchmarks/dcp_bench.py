@@ -123,7 +123,7 @@ def rank_main(args: argparse.Namespace) -> None:
         timed("dcp+zstd", lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(
             os.path.join(out, "dcp+zstd", str(n)), _extensions=[ZStandard()])))
         timed("tpde.dcp", lambda: dcp.save(state, storage_writer=tpde.dcp.Writer(
-            os.path.join(out, "tpde.dcp"), n)))
+            os.path.join(out, "tpde.dcp"), n, reference="store")))
         timed("tpde.dcp, host ref", lambda: dcp.save(state, storage_writer=tpde.dcp.Writer(
             os.path.join(out, "tpde.dcp-host"), n, reference="host")))
 

@@ -61,7 +61,7 @@ def rank_main(out: str) -> None:
                 for t in state.values():
                     t.add_(1e-3)
         measure(f"tpde step {step}", lambda: dcp.save(state, storage_writer=tpde.dcp.Writer(
-            os.path.join(out, "tpde"), step, max_inflight_bytes=INFLIGHT)))
+            os.path.join(out, "tpde"), step, reference="store", max_inflight_bytes=INFLIGHT)))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(peaks, f)
     end_rank()

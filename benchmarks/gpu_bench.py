@@ -25,9 +25,9 @@ import torch
 
 import tpde
 from tpde.codec import elias, frames, transform, unframe
-from tpde.runtime import frame_threads
 from tpde.kernels import nvcomp
 from tpde.kernels import triton_kernels as tk
+from tpde.runtime import frame_threads
 
 
 def median_s(fn: Callable[[], Any], repeats: int) -> float:

@@ -26,9 +26,9 @@ import torch
 
 import tpde
 from speed_bench import pin, states
-from tpde.runtime import frame_threads
-from tpde.codec import transform, unframe
 from tpde.chain import Chain
+from tpde.codec import transform, unframe
+from tpde.runtime import frame_threads
 
 
 def main() -> None:

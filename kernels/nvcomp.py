@@ -19,8 +19,8 @@ import torch
 
 from tpde.codec import encoder
 from tpde.codec.frames import Section, raw_sizes
-from tpde.errors import FormatError
 from tpde.codec.unframe import check_declared
+from tpde.errors import FormatError
 
 #: One stream to decode: its frames, its raw size and its raw chunk size.
 Stream = tuple[Sequence[bytes | memoryview], int, int]

@@ -32,17 +32,17 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from tpde.codec import dtypes, encoder, frames, transform
-from tpde.api import check_reference, check_settings
-from tpde.chain import DATA, DEFAULT_KEYFRAME_EVERY, PIECE_BYTES, Chain
+from tpde.chain import DATA, PIECE_BYTES, PREVIOUS, Chain
 from tpde.chain.base import name as step_name
+from tpde.chain.options import SaveOptions
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.write import put_sections
+from tpde.codec import dtypes, encoder, transform
 from tpde.errors import TPDEError, UnsupportedError
-from tpde.store.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, Record, format_for, record_hash
-from tpde.store.store import Store
 from tpde.plugins import dcp_metadata as layout
+from tpde.store.lease import Lease
+from tpde.store.store import Store
 
 __all__ = ["Writer"]
 
@@ -121,39 +121,46 @@ def _release_leases() -> None:
 class Writer(OnRun, StorageWriter):
     """Save step ``step`` of the run at ``run`` (any fsspec URL) through DCP.
 
-    ``keyframe_every``, ``level``, ``chunk_bytes`` and ``threads`` are ``Checkpointer``'s.
+    The save settings are ``Checkpointer``'s (``SaveOptions``), with the same defaults.
     Chunks larger than half of ``max_inflight_bytes`` (or than 64 MiB) are stored in pieces,
-    and each rank codes at most that many bytes at once; the reference words of a chunk are
-    read back from the store as it is coded (``reference="store"``, the default), so a rank
-    holds no copy of its shards between saves. ``reference="host"`` keeps a copy of this
-    rank's words of each save in the process for the next one, which then reads back only the
-    chunks another rank wrote before: faster saves for a shard's worth of host memory.
+    and each rank codes at most that many bytes at once. ``reference="host"`` (the default)
+    keeps a copy of this rank's words of each save in the process for the next one, which then
+    reads back only the chunks another rank wrote before; ``reference="store"`` reads every
+    chunk's reference back from the store as it is coded, so a rank holds no copy of its
+    shards between saves. Sharded steps are lossless, their deltas coded against the step
+    saved before: ``error_bound`` and ``deltas_against="keyframe"`` are refused.
 
     The coordinator holds the run's writer lease (``Checkpointer``'s): a second job saving into
     the run is refused with ``WriterConflictError`` before anything is written. The lease is
     checked by every save of this process, renewed as ``Checkpointer`` renews it, and given up
     when it exits; ``lease_seconds`` and ``takeover`` are ``Checkpointer``'s.
+
+    Args:
+        run: the run's folder or URL, the same on every rank.
+        step: the step this save commits.
+        storage_options: fsspec's options for the run's store.
+        **options: the save settings (``SaveOptions``).
+
+    Example:
+        >>> dcp.save(state, storage_writer=tpde.dcp.Writer("s3://bucket/run", step))
     """
 
-    def __init__(self, run: str, step: int, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 level: int | None = None, chunk_bytes: int = frames.DEFAULT_CHUNK,
-                 threads: int | None = None, max_inflight_bytes: int = 256 << 20,
-                 reference: str = "store", lease_seconds: float = DEFAULT_LEASE_SECONDS,
-                 takeover: bool = False, storage_options: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(self, run: str, step: int, *, storage_options: dict[str, Any] | None = None,
+                 **options: Any) -> None:
         super().__init__()
-        self.lease_seconds, self.takeover = lease_seconds, takeover
-        check_reference(reference)
-        check_settings(keyframe_every=keyframe_every, level=level, chunk_bytes=chunk_bytes,
-                       threads=threads, max_inflight_bytes=max_inflight_bytes,
-                       lease_seconds=lease_seconds)
-        self.reference = reference
+        opts = SaveOptions.of(options, "tpde.dcp.Writer")
+        if opts.error_bound is not None or opts.deltas_against != PREVIOUS:
+            raise ValueError("tpde.dcp.Writer stores sharded steps lossless, their deltas coded "
+                             "against the step saved before: leave error_bound and "
+                             "deltas_against out")
+        self.lease_seconds, self.takeover = opts.lease_seconds, opts.takeover
+        self.reference = opts.reference
         self._keep: dict[str, torch.Tensor] | None = None
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
         self.run, self.step = run, step
-        self.keyframe_every, self.max_inflight_bytes = keyframe_every, max_inflight_bytes
-        self.settings = encoder.Settings(level=level, chunk=chunk_bytes, threads=threads)
+        self.keyframe_every, self.max_inflight_bytes = opts.keyframe_every, opts.max_inflight_bytes
+        self.settings = opts.settings
         self.storage_options = storage_options
         self.rank = 0
         self._chain: Chain | None = None

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from tpde.codec import dtypes
 from tpde.chain import DECODE_BATCH_BYTES, Chain
 from tpde.chain.plan import batches
+from tpde.codec import dtypes
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.plugins import dcp_metadata as layout
 from tpde.plugins.dcp import OnRun, process_rank, unwrapped

@@ -23,18 +23,14 @@ from typing import Any
 
 import torch
 
-from tpde.entries import entry as entries
+from tpde.api import Checkpointer, Snapshot, StepInfo, snapshot
+from tpde.chain.options import SaveOptions
 from tpde.entries import checkpoint_folder
-from tpde.runtime import frame_threads
-from tpde.codec import frames
-from tpde.api import (DEFAULT_KEYFRAME_EVERY, Checkpointer, Snapshot, StepInfo,
-                      check_deltas_against, check_reference, check_settings, snapshot)
-from tpde.chain import PREVIOUS
+from tpde.entries import entry as entries
 from tpde.errors import TPDEError
-from tpde.store.lease import DEFAULT_LEASE_SECONDS
-from tpde.codec.quant import Bound, Bounds
 from tpde.plugins import trainer_state, writers
 from tpde.plugins.worker import Job, Worker
+from tpde.runtime import frame_threads
 from tpde.store.store import Store
 
 log = logging.getLogger("tpde.lightning")
@@ -98,6 +94,17 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     with ``reference="store"`` (see ``Checkpointer``) a save then needs memory bounded by
     ``max_inflight_bytes``, not by the state.
 
+    Args:
+        device: where a save's snapshot is kept and coded: ``"cpu"`` or ``"cuda"``.
+        storage_options: fsspec's options for the checkpoint folder's store.
+        async_save: save in a background thread while training goes on.
+        max_pending: saves that may wait behind the running one before training waits.
+        chain_dir: the chain's folder inside the checkpoint folder.
+        **options: the save settings, ``Checkpointer``'s (``SaveOptions`` lists them).
+
+    Example:
+        >>> trainer = L.Trainer(plugins=[tpde.TPDECheckpointIO(keyframe_every=8)])
+
     ``error_bound`` (opt-in, lossy) is ``Checkpointer``'s: e.g. ``{"state_dict/*":
     tpde.Rel(1e-3)}`` keeps every weight within 0.1% of its saved value; a pattern that matches
     no tensor fails at the first ``save_checkpoint``, on the training thread.
@@ -107,27 +114,15 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     fp32 state.
     """
 
-    def __init__(self, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 level: int | None = frames.DEFAULT_LEVEL, threads: int | None = None,
-                 device: str = "cpu", storage_options: dict[str, Any] | None = None,
+    def __init__(self, *, device: str = "cpu", storage_options: dict[str, Any] | None = None,
                  async_save: bool = True, max_pending: int = 1,
-                 lease_seconds: float = DEFAULT_LEASE_SECONDS, takeover: bool = False,
-                 chain_dir: str = entries.CHAIN_DIR, reference: str = "host",
-                 max_inflight_bytes: int = 256 << 20,
-                 error_bound: dict[str, Bound] | None = None,
-                 deltas_against: str = PREVIOUS) -> None:
+                 chain_dir: str = entries.CHAIN_DIR, **options: Any) -> None:
         super().__init__()
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
-        check_reference(reference)  # here, not first in the background worker
-        check_deltas_against(deltas_against)
-        check_settings(keyframe_every=keyframe_every, level=level, threads=threads,
-                       max_inflight_bytes=max_inflight_bytes, lease_seconds=lease_seconds)
-        self.bounds = Bounds(error_bound) if error_bound is not None else None
-        self.options = dict(keyframe_every=keyframe_every, level=level, threads=threads,
-                            lease_seconds=lease_seconds, takeover=takeover, reference=reference,
-                            max_inflight_bytes=max_inflight_bytes, error_bound=error_bound,
-                            deltas_against=deltas_against)
+        # Checked here, not first in the background worker.
+        self.options = SaveOptions.of(options, "TPDECheckpointIO")
+        self.bounds = self.options.bounds
         self.device = device
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
@@ -337,7 +332,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
 
     def _run_for(self, url: str) -> "writers.Run":
         self._used.add(url)
-        return writers.acquire(url, self, self.storage_options, self.options)
+        return writers.acquire(url, self, self.storage_options, self.options.given())
 
     def _checkpointer(self, url: str) -> Checkpointer:
         return self._run_for(url).ckpt

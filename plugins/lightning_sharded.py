@@ -23,14 +23,14 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from tpde.entries import entry as entries
-from tpde.state import tree
 from tpde.api import StepInfo
 from tpde.chain import PREVIOUS
-from tpde.store.lease import DEFAULT_LEASE_SECONDS
+from tpde.entries import entry as entries
 from tpde.plugins.dcp import Writer, hold
 from tpde.plugins.dcp_read import Reader
 from tpde.plugins.lightning import TPDECheckpointIO, _split
+from tpde.state import tree
+from tpde.store.lease import DEFAULT_LEASE_SECONDS
 
 
 class _TPDESharded:
@@ -48,10 +48,10 @@ class _TPDESharded:
         if not isinstance(io, TPDECheckpointIO):
             raise TypeError(f"{type(self).__name__} needs a TPDECheckpointIO, not "
                             f"{type(io).__name__}")
-        if io.options["deltas_against"] != PREVIOUS:
-            raise ValueError(f"{type(self).__name__} saves sharded checkpoints, whose deltas are "
-                             "coded against the step saved before: leave the TPDECheckpointIO's "
-                             "deltas_against at 'previous'")
+        if io.options.deltas_against != PREVIOUS or io.options.error_bound is not None:
+            raise ValueError(f"{type(self).__name__} saves sharded checkpoints lossless, their "
+                             "deltas coded against the step saved before: leave the "
+                             "TPDECheckpointIO's deltas_against and error_bound out")
         return io
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
@@ -73,12 +73,9 @@ class _TPDESharded:
         # Lightning's own layout, its model and optimizer states sharded: a consolidated
         # restore (``tpde restore last.ckpt --output plain.ckpt``) is a plain Lightning
         # checkpoint.
-        settings = io.options
-        dcp.save(checkpoint, storage_writer=Writer(
-            url, step, keyframe_every=settings["keyframe_every"], level=settings["level"],
-            threads=settings["threads"], max_inflight_bytes=settings["max_inflight_bytes"],
-            lease_seconds=lease_seconds,
-            storage_options=io.storage_options))
+        settings = {**io.options.given(), "lease_seconds": lease_seconds}
+        dcp.save(checkpoint, storage_writer=Writer(url, step, storage_options=io.storage_options,
+                                                   **settings))
         if self.global_rank == 0:
             io._run_for(url).next = step + 1
             info = StepInfo.of(ckpt.chain.manifest(step))

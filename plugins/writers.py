@@ -13,9 +13,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpde.entries import entry as entries
 from tpde.api import Checkpointer
 from tpde.chain import GcReport
+from tpde.entries import entry as entries
 from tpde.store.lease import Lease
 
 

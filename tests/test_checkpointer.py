@@ -876,31 +876,51 @@ BAD_SETTINGS = [("threads", 0), ("threads", -1), ("threads", 1.5), ("chunk_bytes
                 ("chunk_bytes", -5), ("chunk_bytes", 32 << 20), ("max_inflight_bytes", 0),
                 ("max_inflight_bytes", -1), ("level", 99), ("level", 1.5),
                 ("lease_seconds", 0), ("lease_seconds", -1), ("lease_seconds", float("nan")),
-                ("keyframe_every", 0), ("keyframe_every", 2.5)]
+                ("keyframe_every", 0), ("keyframe_every", 2.5), ("reference", "disk"),
+                ("deltas_against", "parent"), ("key_margin", 0), ("key_margin", -0.5),
+                ("key_margin", 1.01), ("key_margin", float("nan"))]
 
 
 @pytest.mark.parametrize("name,value", BAD_SETTINGS)
 def test_settings_a_save_cannot_use_are_refused_before_anything_is_written(tmp_path, name,
                                                                             value) -> None:
-    """At construction, naming the setting: a chunk of 0 divided by zero at the first save, a
-    negative thread count failed there, and a ``max_inflight_bytes`` of 0 stored every float
-    of a tensor as a record of its own."""
+    """At construction, naming the setting, by every front end alike: a chunk of 0 divided
+    by zero at the first save, a negative thread count failed there, a ``max_inflight_bytes``
+    of 0 stored every float of a tensor as a record of its own, and a key margin above 1
+    could store a delta larger than its keyframe."""
     run = tmp_path / "r"
-    with pytest.raises(ValueError, match=name):
-        tpde.Checkpointer(str(run), **{name: value})
-    with pytest.raises(ValueError, match=name):
-        tpde.dcp.Writer(str(run), 0, **{name: value})
-    if name != "chunk_bytes":  # the Lightning plugin keeps the default chunk
+    for make in (lambda **o: tpde.Checkpointer(str(run), **o),
+                 lambda **o: tpde.dcp.Writer(str(run), 0, **o),
+                 lambda **o: tpde.TPDECheckpointIO(**o)):
         with pytest.raises(ValueError, match=name):
-            tpde.TPDECheckpointIO(**{name: value})
+            make(**{name: value})
     assert not run.exists()
 
 
-@pytest.mark.parametrize("margin", [0, -0.5, 1.01, float("nan")])
-def test_a_key_margin_that_could_store_deltas_larger_than_keyframes_is_refused(tmp_path,
-                                                                               margin) -> None:
-    with pytest.raises(ValueError, match="key_margin"):
-        tpde.Checkpointer(str(tmp_path / "r"), key_margin=margin)
+def test_every_front_end_takes_the_same_settings_with_the_same_defaults(tmp_path) -> None:
+    from tpde.chain.options import SaveOptions
+
+    run = str(tmp_path / "r")
+    assert tpde.Checkpointer(run).options == SaveOptions() == tpde.TPDECheckpointIO().options
+    writer = tpde.dcp.Writer(run, 0)
+    assert writer.reference == SaveOptions().reference and \
+        writer.keyframe_every == SaveOptions().keyframe_every
+    given = {"keyframe_every": 4, "level": 5, "chunk_bytes": 1 << 16, "threads": 2,
+             "key_margin": 0.5, "reference": "store", "max_inflight_bytes": 1 << 20,
+             "lease_seconds": 30.0}
+    assert tpde.Checkpointer(run, **given).options == SaveOptions(**given) == \
+        tpde.TPDECheckpointIO(**given).options
+    assert tpde.Checkpointer(run, **given).options.given() == given
+    for make in (lambda **o: tpde.Checkpointer(run, **o), lambda **o: tpde.dcp.Writer(run, 0, **o),
+                 lambda **o: tpde.TPDECheckpointIO(**o)):
+        with pytest.raises(TypeError, match="unknown setting.*keyframes_every.*keyframe_every"):
+            make(keyframes_every=4)
+    # Sharded steps are lossless and coded against the step before: said at once.
+    with pytest.raises(ValueError, match="error_bound and deltas_against"):
+        tpde.dcp.Writer(run, 0, error_bound={"*": tpde.Rel(1e-3)})
+    with pytest.raises(ValueError, match="error_bound and deltas_against"):
+        tpde.dcp.Writer(run, 0, deltas_against="keyframe")
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_saved_object_only_a_trusted_load_reads_is_named_at_save_time(tmp_path) -> None:

@@ -17,9 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpde import FormatError
-
 from tpde.codec import decoder, dtypes, encoder, frames, transform, unframe
-
 from tpde.runtime import frame_threads
 
 from helpers import ZSTD, zstd_path

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import tpde
-import tpde.dcp
 from tpde.chain import Chain
+import tpde.dcp
 
 pytestmark = pytest.mark.slow
 

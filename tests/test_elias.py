@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpde import FormatError
-
 from tpde.codec import elias
 
 CODERS = pytest.mark.parametrize("use_native", [True, False], ids=["c", "numpy"])

@@ -23,9 +23,9 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 import tpde  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde.entries import entry as entries  # noqa: E402
 from tpde.chain import Chain  # noqa: E402
 from tpde.cli import main as cli  # noqa: E402
+from tpde.entries import entry as entries  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from lightning_train import CharLM, loaders  # noqa: E402
@@ -351,11 +351,14 @@ def test_tpde_sharded_strategies_refuse_full_checkpoints() -> None:
     with pytest.raises(ValueError, match="save_distributed_checkpoint=False"):
         tpde.TPDEModelParallelStrategy(save_distributed_checkpoint=False)
     strategy = tpde.TPDEFSDPStrategy(checkpoint_io=tpde.TPDECheckpointIO(level=5))
-    assert strategy._state_dict_type == "sharded" and strategy._tpde().options["level"] == 5
+    assert strategy._state_dict_type == "sharded" and strategy._tpde().options.level == 5
     against = tpde.TPDECheckpointIO(deltas_against="keyframe")
     strategy = tpde.TPDEFSDPStrategy(checkpoint_io=against)
-    with pytest.raises(ValueError, match="deltas_against at 'previous'"):
+    with pytest.raises(ValueError, match="deltas_against and error_bound"):
         strategy._tpde()  # what a save and a load ask for first
+    bounded = tpde.TPDECheckpointIO(error_bound={"state_dict/*": tpde.Rel(1e-3)})
+    with pytest.raises(ValueError, match="deltas_against and error_bound"):
+        tpde.TPDEFSDPStrategy(checkpoint_io=bounded)._tpde()
 
 
 def test_cli_gc_frees_steps_whose_entries_were_deleted(tmp_path) -> None:

@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import tpde  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde.entries import entry as entries  # noqa: E402
 from tpde.chain import Chain  # noqa: E402
+from tpde.entries import entry as entries  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from lightning_train import CharLM, loaders  # noqa: E402

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 import tpde
 from helpers import flip_bit
-from tpde.codec import _rebuild
 from tpde.chain import Chain, native
-from tpde.runtime.frame_threads import usable_cpus
+from tpde.codec import _rebuild
 from tpde.mounting.slots import in_heap
+from tpde.runtime.frame_threads import usable_cpus
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="tpde.codec._rebuild not built, or no libzstd found")

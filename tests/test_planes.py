@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpde import FormatError
-
 from tpde.codec import decoder, frames, transform, unframe
 
 WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import assert_same
-from tpde.state import tree
 from tpde.errors import FormatError
+from tpde.state import tree
 
 BASE = torch.arange(64, dtype=torch.float32)
 

@@ -11,9 +11,8 @@ __version__ = "0.2.0"
 #: Where each public name lives. Importing tpde imports none of them (nor torch): each is
 #: imported when first used, so that ``tpde --version`` and ``--help`` answer at once.
 _PUBLIC = {
-    **dict.fromkeys(("DEFAULT_KEYFRAME_EVERY", "Checkpointer", "Snapshot", "StepInfo",
-                     "snapshot"), "tpde.api"),
-    **dict.fromkeys(("GcReport", "Problem"), "tpde.chain"),
+    **dict.fromkeys(("Checkpointer", "Snapshot", "StepInfo", "snapshot"), "tpde.api"),
+    **dict.fromkeys(("DEFAULT_KEYFRAME_EVERY", "GcReport", "Problem"), "tpde.chain"),
     **dict.fromkeys(("load_checkpoint", "load_state_dict"), "tpde.entries.entry"),
     **dict.fromkeys(("Mount", "mount"), "tpde.mounting.model"),
     **dict.fromkeys(("Abs", "Bound", "BoundError", "Rel"), "tpde.codec.quant"),

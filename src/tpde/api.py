@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -11,56 +9,14 @@ from typing import Any, Iterable
 
 import torch
 
-from tpde.codec import dtypes, encoder, frames, quant, transform
-
-from tpde.state import tree
-from tpde.runtime.heap import Trims
-from tpde.chain import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, PREVIOUS, Chain, GcReport, Problem,
-                        Reference)
+from tpde.chain import Chain, GcReport, Problem, Reference
+from tpde.chain.options import SaveOptions
+from tpde.codec import dtypes, transform
 from tpde.errors import UnsafeContentWarning
-from tpde.store.lease import DEFAULT_LEASE_SECONDS, Lease
 from tpde.manifest import Manifest, collector_paused
-
-
-def check_reference(reference: str) -> None:
-    if reference not in ("host", "store"):
-        raise ValueError('reference must be "host" or "store"')
-
-
-def check_deltas_against(against: str) -> None:
-    if against not in DELTAS_AGAINST:
-        raise ValueError(f"deltas_against must be one of {DELTAS_AGAINST}, got {against!r}")
-
-
-def whole(value: Any) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_settings(*, keyframe_every: int, level: int | None, threads: int | None,
-                   max_inflight_bytes: int, lease_seconds: float,
-                   chunk_bytes: int = frames.DEFAULT_CHUNK) -> None:
-    """Refuse, before anything is written, settings a save would only fail on later (in
-    Lightning's background worker) or quietly turn into others: a chunk of 0 divided by zero
-    at the first save, a ``max_inflight_bytes`` of 0 stored a tensor of 1000 floats as 1000
-    records of one."""
-    if not whole(keyframe_every) or keyframe_every < 1:
-        raise ValueError(f"keyframe_every must be a whole number >= 1, got {keyframe_every!r}")
-    if level is not None and (not whole(level)
-                              or not frames.MIN_LEVEL <= level <= frames.MAX_LEVEL):
-        raise ValueError(f"level must be None (tpde's fast default) or a zstd level in "
-                         f"[{frames.MIN_LEVEL}, {frames.MAX_LEVEL}], got {level!r}")
-    if not whole(chunk_bytes) or not frames.MIN_CHUNK <= chunk_bytes <= frames.MAX_CHUNK:
-        raise ValueError(f"chunk_bytes must be in [{frames.MIN_CHUNK}, {frames.MAX_CHUNK}], "
-                         f"got {chunk_bytes!r}")
-    if threads is not None and (not whole(threads) or threads < 1):
-        raise ValueError(f"threads must be None (one a core, up to 8) or >= 1, got {threads!r}")
-    if not whole(max_inflight_bytes) or max_inflight_bytes < 1:
-        raise ValueError(f"max_inflight_bytes must be a whole number of bytes >= 1, got "
-                         f"{max_inflight_bytes!r}")
-    if not isinstance(lease_seconds, numbers.Real) or not math.isfinite(lease_seconds) \
-            or lease_seconds <= 0:
-        raise ValueError(f"lease_seconds must be a finite number > 0, got {lease_seconds!r}")
+from tpde.runtime.heap import Trims
+from tpde.state import tree
+from tpde.store.lease import Lease
 
 
 @dataclass(frozen=True)
@@ -141,17 +97,15 @@ class Checkpointer:
     ``reference="store"`` keeps no such copy: each tensor's previous version is read back from
     the chain while it is encoded, so saving a state larger than the free memory works, with
     extra memory bounded by ``max_inflight_bytes`` (bytes of tensors being encoded at once; a
-    few times that in buffers, measured in docs/reliability.md), at the cost of reading and decoding the
-    previous step on every save. Tensors larger than half of it (at most 64 MiB) are stored in
-    pieces, each coded on its own, so one huge tensor is bounded the same way. Up to
-    ``max_inflight_bytes`` of freed C heap stays between saves for the next save's buffers;
-    more is handed back to the OS.
+    few times that in buffers, measured in docs/reliability.md), at the cost of reading and
+    decoding the previous step on every save. Tensors larger than half of it (at most 64 MiB)
+    are stored in pieces, each coded on its own, so one huge tensor is bounded the same way.
 
     Saving, removing and gc hold the run's writer lease (checked by each of them, and renewed
     by those a minute or more after the last renewal; set ``lease_seconds`` a minute above the
-    time between your saves); a second writer is refused with
-    ``WriterConflictError`` until ``close()``, expiry, or the holder's process dying on this host.
-    ``takeover=True`` takes the run from a writer known to be dead.  Loading never waits.
+    time between your saves); a second writer is refused with ``WriterConflictError`` until
+    ``close()``, expiry, or the holder's process dying on this host. ``takeover=True`` takes
+    the run from a writer known to be dead.  Loading never waits.
 
     Keyframes are decided per tensor: a tensor is re-keyed before it would be
     ``keyframe_every`` deltas deep, the re-keys spread over steps, and a tensor that never
@@ -170,36 +124,33 @@ class Checkpointer:
     patterns over the names ``tpde info`` prints, the first match wins, and integer and bool
     tensors stay exact. Every restored element of such a tensor is within the bound of the
     value saved at that step, however long the chain; see docs/lossy.md.
+
+    Args:
+        run: the run's folder or URL (``runs/exp1``, ``s3://bucket/runs/exp1``).
+        storage_options: fsspec's options for the store (credentials, endpoint, ...).
+        **options: the save settings, each checked here (``SaveOptions`` lists them and
+            their defaults, the same for every front end).
+
+    Example:
+        >>> ckpt = tpde.Checkpointer("runs/exp1", keyframe_every=16)
+        >>> info = ckpt.save(100, {"model": model.state_dict()})
+        >>> state = ckpt.load()  # the latest step
     """
 
-    def __init__(self, run: str, *, keyframe_every: int = DEFAULT_KEYFRAME_EVERY,
-                 storage_options: dict[str, Any] | None = None,
-                 level: int | None = frames.DEFAULT_LEVEL,
-                 chunk_bytes: int = frames.DEFAULT_CHUNK, threads: int | None = None,
-                 key_margin: float = 0.95, lease_seconds: float = DEFAULT_LEASE_SECONDS,
-                 takeover: bool = False, reference: str = "host",
-                 max_inflight_bytes: int = 256 << 20,
-                 error_bound: dict[str, quant.Bound] | None = None,
-                 deltas_against: str = PREVIOUS) -> None:
-        check_deltas_against(deltas_against)
-        self.deltas_against = deltas_against
-        self.bounds = quant.Bounds(error_bound) if error_bound is not None else None
+    def __init__(self, run: str, *, storage_options: dict[str, Any] | None = None,
+                 **options: Any) -> None:
+        self.options = opts = SaveOptions.of(options, "Checkpointer")
+        self.deltas_against = opts.deltas_against
+        self.bounds = opts.bounds
         self._bounds_checked = False
-        check_settings(keyframe_every=keyframe_every, level=level, chunk_bytes=chunk_bytes,
-                       threads=threads, max_inflight_bytes=max_inflight_bytes,
-                       lease_seconds=lease_seconds)
-        if not 0 < key_margin <= 1:  # above 1 a delta could be stored larger than a keyframe
-            raise ValueError("key_margin must be in (0, 1]")
-        check_reference(reference)
-        self.keep_reference = reference == "host"
-        self.max_inflight_bytes = max_inflight_bytes
+        self.keep_reference = opts.keep_reference
+        self.max_inflight_bytes = opts.max_inflight_bytes
         self.run = run
-        self.keyframe_every = keyframe_every
-        self.settings = encoder.Settings(level=level, chunk=chunk_bytes, threads=threads,
-                                         key_margin=key_margin)
+        self.keyframe_every = opts.keyframe_every
+        self.settings = opts.settings
         self.chain = Chain(run, storage_options)
-        self.lease = Lease(self.chain.store, lease_seconds)
-        self._takeover = takeover
+        self.lease = Lease(self.chain.store, opts.lease_seconds)
+        self._takeover = opts.takeover
         self._reference: Reference | None = None
         # The run's bytes at rest as last counted, kept up by this writer's saves (None: count
         # them again), and the store's changes when they were: counting lists the whole store,

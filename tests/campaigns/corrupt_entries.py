@@ -34,8 +34,8 @@ import torch  # noqa: E402
 import tpde  # noqa: E402
 from campaigns.corrupt import damage  # noqa: E402
 from helpers import assert_same  # noqa: E402
-from tpde.entries import checkpoint_folder, entry  # noqa: E402
 from tpde.cli import main as cli  # noqa: E402
+from tpde.entries import checkpoint_folder, entry  # noqa: E402
 
 NAMES = [f"epoch={i}-step={10 * i}.ckpt" for i in range(5)] + ["last.ckpt"]
 

@@ -40,9 +40,9 @@ import torch
 
 import tpde
 from tpde import manifest
+from tpde.chain import Chain
 from tpde.codec import elias, frames, unframe
 from tpde.entries import entry
-from tpde.chain import Chain
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 CHAINS = ("chain-v1", "chain-v2", "chain-v3")

@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from tpde.chain.plan import KEYFRAME, PREVIOUS
 from tpde.codec import encoder
 from tpde.errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
 from tpde.manifest import Manifest, Record, parse
 from tpde.store.store import Store
-from tpde.chain.plan import KEYFRAME, PREVIOUS
 
 MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
 Progress = Callable[[int], None]

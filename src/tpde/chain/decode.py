@@ -10,12 +10,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from tpde.chain.plan import batches
 from tpde.codec import decoder, dtypes, unframe
-
-from tpde.runtime import frame_threads
 from tpde.errors import CorruptionError, TPDEError
 from tpde.manifest import Record, hash_matches
-from tpde.chain.plan import batches
+from tpde.runtime import frame_threads
 
 #: A decode hands its records to the pool in runs of neighbouring records of up to about this
 #: many raw bytes, a task each: one task per record cost E's latest-step restore (2500 records,

@@ -28,13 +28,12 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
+from tpde.chain.base import ChainBase, Progress
 from tpde.codec import dtypes, elias, unframe
-
-from tpde.runtime import extensions, frame_threads
+from tpde.codec.transform import residual_mode
 from tpde.errors import TPDEError
 from tpde.manifest import XXH3, Record, SectionRef
-from tpde.codec.transform import residual_mode
-from tpde.chain.base import ChainBase, Progress
+from tpde.runtime import extensions, frame_threads
 
 _rebuild = extensions.load("_rebuild")
 

@@ -12,8 +12,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from tpde.state import tree
 from tpde.manifest import Manifest, Record
+from tpde.state import tree
 
 #: Chosen on real training chains (benchmarks/README.md): for bf16 weights 8 -> 16 -> 32 gives
 #: 4.15x -> 4.69x -> 5.38x while restoring the deepest step gets several times slower; dense

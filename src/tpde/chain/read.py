@@ -9,13 +9,6 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
-from tpde.codec import dtypes, elias, unframe
-
-from tpde.runtime import heap
-
-from tpde.state import tree
-from tpde.errors import CorruptionError, FormatError, TPDEError
-from tpde.manifest import Manifest, Record, collector_paused
 from tpde.chain import sharded
 from tpde.chain.base import ChainBase, Problem, Progress
 from tpde.chain.decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild,
@@ -23,6 +16,11 @@ from tpde.chain.decode import (STREAMED, attempt, decompress, in_runs, pools, re
 from tpde.chain.native import restore as native_restore
 from tpde.chain.plan import batches
 from tpde.chain.spans import span_places, span_words, warn_lossy
+from tpde.codec import dtypes, elias, unframe
+from tpde.errors import CorruptionError, FormatError, TPDEError
+from tpde.manifest import Manifest, Record, collector_paused
+from tpde.runtime import heap
+from tpde.state import tree
 
 #: Words a rebuild reads and decompresses at once (``Chain.materialize``). 32 MiB restores as
 #: fast as 128 MiB did (a 200 MB delta step: 1.09 s against 1.07 s) and holds 100 MB less.

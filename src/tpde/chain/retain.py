@@ -18,15 +18,15 @@ from typing import Iterable, Iterator
 
 import torch
 
-from tpde.codec import decoder, dtypes, encoder, frames
-from tpde.errors import StepNotFoundError, TPDEError
-from tpde.manifest import Manifest, Record, collector_paused, format_for, hash_matches
 from tpde.chain.base import (DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name,
                              numbered)
 from tpde.chain.decode import TASK_BYTES, decompress, in_runs, pools
 from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth,
                              holder, plan_rebase, readers_of, record_depth)
 from tpde.chain.write import Writer, put_sections
+from tpde.codec import decoder, dtypes, encoder, frames
+from tpde.errors import StepNotFoundError, TPDEError
+from tpde.manifest import Manifest, Record, collector_paused, format_for, hash_matches
 
 #: Raw bytes of records re-coded at once by a re-base (and stored bytes copied at once).
 REBASE_BATCH_BYTES = 64 << 20

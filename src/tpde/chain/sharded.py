@@ -11,10 +11,9 @@ from typing import Any
 import torch
 
 from tpde.codec import dtypes
-
-from tpde.state import tree
 from tpde.errors import FormatError
 from tpde.manifest import Manifest
+from tpde.state import tree
 
 
 def item_records(m: Manifest, fqn: str) -> list[str]:

@@ -13,20 +13,17 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from tpde.codec import dtypes, encoder, frames, quant, transform
-
-from tpde.store import exclusive
-
-from tpde.runtime import frame_threads
-
-from tpde.state import tree
-from tpde.errors import StepExistsError, TPDEError
-from tpde.manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
-from tpde.store.store import BlobWriter
 from tpde.chain.base import DATA, MARKER, GcReport, Reference, manifest_path, name
 from tpde.chain.plan import (KEYFRAME, PREVIOUS, Candidate, Piece, batches, candidates, holder,
                              piece_starts, pieces, plan_keys, record_depth)
 from tpde.chain.read import Reader
+from tpde.codec import dtypes, encoder, frames, quant, transform
+from tpde.errors import StepExistsError, TPDEError
+from tpde.manifest import Manifest, Record, SectionRef, collector_paused, format_for, record_hash
+from tpde.runtime import frame_threads
+from tpde.state import tree
+from tpde.store import exclusive
+from tpde.store.store import BlobWriter
 
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
 #: pieces, each a record of its own, so that encoding a tensor, or reading its reference back

@@ -10,10 +10,9 @@ from typing import Any
 import torch
 
 from tpde.codec import dtypes, quant, transform
-
-from tpde.state import tree
 from tpde.errors import TPDEError
 from tpde.manifest import Manifest
+from tpde.state import tree
 
 
 @dataclass

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from tpde.entries import checkpoint_folder
+from tpde.chain import KEYFRAME, Chain, lossy_summary
 from tpde.cli import show
 from tpde.cli.against import distances
-from tpde.chain import KEYFRAME, Chain, lossy_summary
+from tpde.entries import checkpoint_folder
 from tpde.errors import LossyWarning, StepNotFoundError, TPDEError
 
 err = show.err

@@ -12,8 +12,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 from rich.table import Table
 
 from tpde.chain import AtRest, Chain, Reads
-from tpde.manifest import Manifest
 from tpde.codec.quant import Bound, applies
+from tpde.manifest import Manifest
 
 #: Messages for people go to stderr; stdout carries tables and JSON.
 err = Console(stderr=True)

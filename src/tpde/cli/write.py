@@ -10,15 +10,13 @@ from typing import Any
 
 import torch
 
-from tpde.entries import checkpoint_folder
-
-from tpde.codec import dtypes
-
-from tpde.state import tree
-from tpde.cli import show
 from tpde.api import Checkpointer, Snapshot
 from tpde.chain import Chain, span_words
+from tpde.cli import show
+from tpde.codec import dtypes
+from tpde.entries import checkpoint_folder
 from tpde.errors import LossyWarning, StepExistsError, TPDEError
+from tpde.state import tree
 from tpde.state.keys import weights_key
 from tpde.store.lease import Lease
 

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from tpde.codec import elias, frames, quant, unframe
-from tpde.errors import FormatError
 from tpde.codec.transform import (HOST_SLICE, apply_residual, apply_streamed, native_rows,
                                   stream_words, unshuffle)
+from tpde.errors import FormatError
 
 
 class CPU:

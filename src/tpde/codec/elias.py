@@ -22,8 +22,8 @@ import struct
 
 import numpy as np
 
-from tpde.runtime import extensions
 from tpde.errors import FormatError
+from tpde.runtime import extensions
 
 # The same coder in C (_elias.c), built with the package where a compiler is found; else
 # numpy's.

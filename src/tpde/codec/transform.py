@@ -16,9 +16,8 @@ import numpy as np
 import torch
 
 from tpde.codec import frames, unframe
-
-from tpde.runtime import heap
 from tpde.errors import FormatError
+from tpde.runtime import heap
 
 RESIDUALS = ("xor", "sub")
 #: Words a residual is computed or applied at a time: with torch (on a device) and with

@@ -15,11 +15,11 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import zstandard
 
-from tpde.runtime import extensions, heap
-from tpde.errors import FormatError
-from tpde.runtime.frame_threads import spread
 from tpde.codec import frames
 from tpde.codec.frames import MAX_CHUNK, MIN_CHUNK, native_words, raw_sizes
+from tpde.errors import FormatError
+from tpde.runtime import extensions, heap
+from tpde.runtime.frame_threads import spread
 
 # Frames decompressed outside the GIL by the system's zstd (_zframes.c), where found.
 zframes = extensions.load("_zframes")

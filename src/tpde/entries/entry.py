@@ -34,12 +34,11 @@ from typing import Any
 import fsspec
 import torch
 
-from tpde.state import keys, tree
-
-from tpde.store import store
 from tpde.chain import MARKER, Chain
 from tpde.errors import (FormatError, NotARunError, StepNotFoundError, StepPendingError,
                          StoreError, TPDEError)
+from tpde.state import keys, tree
+from tpde.store import store
 
 MEMBER = "archive/tpde-entry.json"
 #: Entries are about a kilobyte; anything larger at a checkpoint path is a plain checkpoint.

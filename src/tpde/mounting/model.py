@@ -24,13 +24,12 @@ from typing import Any, Callable
 
 import torch
 
-from tpde.runtime import frame_threads, heap
-
-from tpde.mounting import slots
-from tpde.entries import entry as entries
-from tpde.api import whole
 from tpde.chain import Chain, native, sharded, span_words
+from tpde.chain.options import whole
+from tpde.entries import entry as entries
 from tpde.errors import CorruptionError, TPDEError
+from tpde.mounting import slots
+from tpde.runtime import frame_threads, heap
 from tpde.store.resident import ResidentStore
 
 #: Free heap a mount at budget 0 lets build up beyond what it held after its last trim, looked

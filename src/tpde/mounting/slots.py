@@ -14,15 +14,13 @@ from typing import Callable
 
 import torch
 
-from tpde.codec import dtypes
-
-from tpde.runtime import heap
-
-from tpde.state import keys, tree
 from tpde.chain import Chain, span_places
 from tpde.chain import sharded
+from tpde.codec import dtypes
 from tpde.errors import TPDEError
 from tpde.manifest import Manifest
+from tpde.runtime import heap
+from tpde.state import keys, tree
 
 
 @dataclass(frozen=True)

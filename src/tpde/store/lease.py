@@ -20,8 +20,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from tpde.store import exclusive
 from tpde.errors import WriterConflictError
+from tpde.store import exclusive
 from tpde.store.store import Store
 
 LEASE = "lease.json"
