@@ -72,8 +72,8 @@ class GcReport:
 class Reads:
     """What restoring a step decodes: every record on the way to each of its tensors' words,
     keyframe records first. A restore's time follows these stored bytes, not the step's own: a
-    delta of dense fp32 state stores over half what its keyframe does, so step 15 of
-    ``deep_bench.py``'s chain decodes 1061 MB where its keyframe stores 165 MB."""
+    delta of dense fp32 state stores over half what its keyframe does, so a step deep in a
+    chain decodes several times what its keyframe stores (``benchmarks/deep_bench.py``)."""
 
     #: (step, record) pairs, in step order.
     records: list[tuple[int, Record]]

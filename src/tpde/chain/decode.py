@@ -17,8 +17,8 @@ from tpde.manifest import Record, hash_matches
 from tpde.runtime import frame_threads
 
 #: A decode hands its records to the pool in runs of neighbouring records of up to about this
-#: many raw bytes, a task each: one task per record cost E's latest-step restore (2500 records,
-#: most of a few kB) more in hand-offs than in decoding.
+#: many raw bytes, a task each: one task per record cost a restore of many small records
+#: more in hand-offs than in decoding.
 TASK_BYTES = 1 << 20
 
 

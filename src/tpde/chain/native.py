@@ -2,8 +2,8 @@
 a restore's batches.
 
 A mount at budget 0 rebuilds each module's tensors on every forward. Through ``materialize``
-that is a plan, a few pools and a dozen Python calls per record, every time: about 40% of a
-MiniLM forward's decode, two deltas deep. Here a tensor's lineage is worked out once
+that is a plan, a few pools and a dozen Python calls per record, every time: a large share
+of a forward's decode. Here a tensor's lineage is worked out once
 (``plan``); after that its records are read and rebuilt, keyframe, deltas and hash check, by
 one call for the whole module, which the forward's thread shares with torch's own OpenMP
 threads: with torch's default threads those wait, spinning, on the cores a decode thread of
@@ -61,14 +61,14 @@ os.register_at_fork(after_in_child=_in_child)
 SPARSE = 9
 #: The most bytes the sparse deltas of one lineage may take while rebuilt here: all their
 #: positions are decoded (as int64) and values decompressed before the call. A lineage of
-#: larger ones is left to ``materialize``, which at budget 0 holds one batch at a time: the
-#: three sparse deltas of a 16 MB bf16 embedding, a fifth of it changed at each, took 44 MB of
-#: positions here, and a mount's peak over a forward rose from 24 to 57 MiB.
+#: larger ones is left to ``materialize``, which at budget 0 holds one batch at a time: a
+#: large embedding's sparse deltas would otherwise take several times its size in positions
+#: here, and raise a mount's peak over a forward.
 SPARSE_BYTES = 4 << 20
 #: The most words one call of a restore rebuilds (``restore``), where the words are what it
-#: returns and it holds little beside them: the 200 MB state's keyframe restored in 80 ms in
-#: 256 MiB calls against 112 in 32 MiB ones (each of the six 32 MiB pieces' hashes then ran
-#: on one thread while the other waited); a restore's progress moves once a call.
+#: returns and it holds little beside them: fewer, larger calls restore faster (in small
+#: ones each piece's hash ran on one thread while the other waited); a restore's progress
+#: moves once a call.
 CALL_BYTES = 256 << 20
 
 

@@ -22,8 +22,8 @@ from tpde.manifest import Manifest, Record, collector_paused
 from tpde.runtime import heap
 from tpde.state import tree
 
-#: Words a rebuild reads and decompresses at once (``Chain.materialize``). 32 MiB restores as
-#: fast as 128 MiB did (a 200 MB delta step: 1.09 s against 1.07 s) and holds 100 MB less.
+#: Words a rebuild reads and decompresses at once (``Chain.materialize``): as fast as larger
+#: batches, for less memory held.
 DECODE_BATCH_BYTES = 32 << 20
 #: Times a read starts again when the run's writer rewrote what it was reading (a re-base).
 REREADS = 3
@@ -249,14 +249,14 @@ class Reader(ChainBase):
 
         pool, ahead = pools()
         # Without look-ahead memory comes first: values streamed frame by frame, and records
-        # rebuilt on this thread (each decode thread's malloc arena would keep what it freed:
-        # measured 15 MB more for a 3 MB module); only a large record's slices are shared out
+        # rebuilt on this thread (each decode thread's malloc arena would keep what it freed,
+        # several times a small module's size); only a large record's slices are shared out
         # over the frame threads (``unframe.by_slices``).
         stream = not look_ahead and backend is None
         spread = pool.map if look_ahead else map
         # With look-ahead, words that nothing rebuilds further are hashed on the prefetch
-        # threads while the next records are rebuilt, a task per batch: a 32 MiB piece's hash
-        # took 1.1 ms of its 12 that the other core had nothing to do beside.
+        # threads while the next records are rebuilt, a task per batch: otherwise a piece's
+        # hash is time the other core has nothing to do beside.
         checks: list[tuple[int, list[Record], Future]] = []
 
         def later(r: Record, at: int) -> bool:

@@ -132,8 +132,7 @@ class Retainer(Writer):
         copied from the old blob (a repointed record comes pointed at its new ``ref`` already),
         copied from the keyframe record that holds them, or re-coded (their words taken back
         from ``later`` where it can give them). Re-coded records come as their runs are coded,
-        written while the next are: G's re-bases wrote 9-10 ms of frames after their coding
-        was done."""
+        written while the next are, not all after the coding is done."""
         keep = [r for r in batch
                 if (r.name not in plan or plan[r.name].how == "repoint") and r.sections]
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
@@ -155,7 +154,7 @@ class Retainer(Writer):
             passing = {r.name: v for r in recode if (v := plan[r.name].against) is not None
                        and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every}
             # The words of the step each record is re-coded against are mostly on the way to
-            # its own: G's 20 removals rebuilt 31 steps while each was rebuilt apart, 20 now.
+            # its own: rebuilt together, a retention run rebuilds each step once, not twice.
             # Words taken back cost no more than that last delta: its reference's words are
             # then rebuilt alone.
             passed: dict[str, torch.Tensor] = {}
@@ -176,7 +175,7 @@ class Retainer(Writer):
                 jobs.append((words.pop(r.name), ref_words, dtypes.by_name(r.dtype).kind,
                              None if ref_words is None else self._carried(r, old.step)))
             # Coded side by side, a run of small records per task, as a save codes them: one
-            # at a time, G's re-bases spent a third of their time coding on one core.
+            # at a time, re-bases spent much of their time coding on one core.
             coded = (enc for run in pools()[0].map(partial(_recode, settings=settings),
                                                     batches(jobs, [r.raw_bytes for r in recode],
                                                             TASK_BYTES))
@@ -201,8 +200,8 @@ class Retainer(Writer):
         or an exact delta against them: none decoded, or one delta undone
         (``decoder.decode(..., undo=True)``), instead of the lineage from a
         keyframe. A retention run re-bases the oldest kept step right after a save whose words
-        the writer holds: on G, 19 ms a re-base against 35-40 for a keyframe and a delta
-        decoded per re-coded tensor. Each is checked against its record's hash; one that does
+        the writer holds, about half the time of a keyframe and a delta decoded per re-coded
+        tensor. Each is checked against its record's hash; one that does
         not match is rebuilt from the chain as any other."""
         if later is None or not later.held or later.at or self.deltas_against() != PREVIOUS:
             return {}  # (against keyframes the words held are the keyframes')
@@ -232,7 +231,7 @@ class Retainer(Writer):
     def _carried(self, r: Record, step: int) -> encoder.Choice | None:
         """The coding ``r`` was saved with, tried first against its new reference as a save
         tries the one its tensor was last coded with (``encoder.REVALIDATE``): a re-base coded
-        each record every way, over a quarter of G's 20 removals."""
+        each record every way otherwise."""
         key = self._lineage(r.name, step)[0][1]
         if r.codec not in ("dense", "sparse") or key.codec != "key":
             return None
@@ -330,8 +329,7 @@ class Retainer(Writer):
 
 def _sections(r: Record, framed: dict[str, list[memoryview]]) -> dict[str, frames.Section]:
     """A record's stored sections as they are, to copy into another blob: views of what was
-    read (a local blob's mapping), written out from there rather than copied first (5% of
-    G's re-bases went to the copies)."""
+    read (a local blob's mapping), written out from there rather than copied first."""
     return {k: frames.Section(s.raw, s.chunk, tuple(framed[k])) for k, s in r.sections.items()}
 
 
@@ -354,8 +352,8 @@ def _taken_back(r: Record, h: Record, words: torch.Tensor, framed: dict | None
 def _recode(jobs: list[tuple[torch.Tensor, torch.Tensor | None, str, encoder.Choice | None]], *,
             settings: encoder.Settings) -> list[encoder.Encoding]:
     """A run of records coded again against their new references (None: as keyframes): those
-    whose coding is known together (``encoder.encode_many``: G's re-bases re-key a hundred small
-    tensors each), the others one by one."""
+    whose coding is known together (``encoder.encode_many``: a Lightning chain's re-bases
+    re-key many small tensors each), the others one by one."""
     known = encoder.encode_many(jobs, settings)
     return [enc or encoder.encode(words, ref, kind, settings, choice=choice)
             for (words, ref, kind, choice), enc in zip(jobs, known)]

@@ -28,21 +28,19 @@ from tpde.store.store import BlobWriter
 #: Spans larger than this (or than half of ``max_inflight_bytes``, if smaller) are stored as
 #: pieces, each a record of its own, so that encoding a tensor, or reading its reference back
 #: from the store, never holds more than a piece of it at once. Half, so that two pieces are
-#: encoded at once: measured twice as fast as one at a time, in the same memory. 32 MiB
-#: rather than 64: the 200 MB state's keyframe saved on 2 threads at 1136 MB/s against 942
-#: (its blob written while more pieces are coded), its restores as fast; 16 MiB saved its
-#: keyframe faster still, but restored its delta step 21% slower.
+#: encoded at once: about twice as fast as one at a time, in the same memory. Smaller pieces
+#: save faster (a blob is written while more pieces are coded) but restore deltas more
+#: slowly; this size is the balance measured (``benchmarks/README.md``).
 PIECE_BYTES = 32 << 20
 
 
 #: Pieces smaller than this are encoded in batches of about this size, one task each: a task
-#: per small tensor cost more in hand-offs between threads than in coding (a save of 115
-#: tensors of 5.6 MB spent half its time waiting on them).
+#: per small tensor cost more in hand-offs between threads than in coding.
 BATCH_BYTES = 1 << 20
 
 #: Spans smaller than this are saved in packs (``tree.pack``) of up to ``PACK_MOST`` bytes,
-#: one record each: G's 153 tensors under 4 KiB (of 211) cost its saves and removals a
-#: quarter of their time as records of their own. A pack fits one frame of the default chunk,
+#: one record each: a Lightning model's many tiny tensors cost its saves and removals a
+#: large share of their time as records of their own. A pack fits one frame of the default chunk,
 #: so that a mount decoding one module's biases decodes no more than that frame.
 PACK_BELOW = 4 << 10
 PACK_MOST = 256 << 10
@@ -67,8 +65,8 @@ def put_sections(writer: BlobWriter, sections: dict[str, frames.Section]
 def _copy(words: torch.Tensor, spare: torch.Tensor | None) -> torch.Tensor:
     """Host words the caller may change after the save, copied into ``spare`` (the last
     reference's buffer: fresh pages cost about as much as the copy itself) where it fits.
-    numpy on the host, as on every encode thread: torch's copy of a 1 MB tensor took 112 us
-    there against numpy's 25."""
+    numpy on the host, as on every encode thread, where torch's copy costs several times
+    more."""
     fits = spare is not None and not spare.is_cuda and spare.dtype == words.dtype \
         and spare.shape == words.shape
     if words.is_cuda:
@@ -207,7 +205,7 @@ class Writer(Reader):
         if star and reference is not None and reference.held:
             # Keyframe words held for a step that is gone (re-based away: its tensors' records
             # were re-keyed elsewhere) are read back from their new keyframes, a step at a time:
-            # one read per piece cost G's saves a fifth more.
+            # one read per piece made saves markedly slower.
             stale: dict[int, list[str]] = {}
             for c in found:
                 if c.name not in keyed and reference.at.get(c.name) != c.source:
@@ -329,8 +327,8 @@ class Writer(Reader):
             """While every piece so far was bit-identical to the held words of the step before
             (a step saved again, as Lightning's ``last`` is), a small host piece that is too,
             told on this thread as its task would code it: no task for it, and no hand-off
-            of the GIL between threads at every torch call on it: G's (211 tensors) took 18-20
-            ms on the encode threads, 11-12 told here. The first piece that changed ends the
+            of the GIL between threads at every torch call on it, which made the encode
+            threads slower at it than this one. The first piece that changed ends the
             checks: on this thread beside the encode threads they slowed a delta save."""
             nonlocal repeat
             if not repeat or piece.name in keyed or piece.nbytes > UNCHANGED_BYTES:
@@ -339,7 +337,7 @@ class Writer(Reader):
             if ref_words is None or piece.span.tensor.is_cuda or ref_words.is_cuda:
                 return None
             dt, words = words_of(piece)
-            # numpy's comparison: 32 us for a 576 KiB tensor where torch.equal took 91.
+            # numpy's comparison: several times faster here than torch.equal.
             if ref_words.dtype != words.dtype or ref_words.shape != words.shape \
                     or not np.array_equal(words.numpy(), ref_words.numpy()):
                 repeat = False
@@ -382,8 +380,7 @@ class Writer(Reader):
                     inflight -= size
 
                 # Bounded by bytes alone: a cap of a few batches in flight left every thread
-                # but one idle while the oldest, a large tensor, was still being coded (C's
-                # 23 MB embedding and 66 small tensors: 794-813 MB/s, 884-920 without).
+                # but one idle while the oldest, a large tensor, was still being coded.
                 for batch in batches(todo, [p.nbytes for p in todo], BATCH_BYTES):
                     known = [unchanged(p) for p in batch]
                     if all(known):

@@ -231,7 +231,7 @@ static void fill_short_codes(void) {
 /* The code at `L->at`: from the table when `table` says to and it is short, else read as the
  * format spells it out; 0 when it is not a well-formed code of at most 57 bits in front of
  * `end`. Where about half the codes miss the table (gaps around 128: positions at a density
- * near 1%) its branch mispredicts, 8.1 ns a code against 4.3 without it; `decode_lanes`
+ * near 1%) its branch mispredicts, nearly doubling a code's time; `decode_lanes`
  * asks for it for groups of blocks whose codes average at most SHORT_AVERAGE bits. */
 static inline int lane_step(const unsigned char *c, uint64_t size, Lane *L, uint64_t end,
                             int table) {

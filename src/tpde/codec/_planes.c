@@ -55,8 +55,8 @@
  * x86-64-v3 (AVX2) and the baseline (SSE2), so that a build for any x86-64 runs the widest
  * vectors the CPU has. benchmarks/planes_bench.py builds both (TPDE_ONE_TARGET leaves the
  * clones out) and times them: on a slice of words that stays in the cache, as a save's and a
- * restore's are, joining words from their planes ran 1.5-1.8x, splitting a residual into its
- * planes 2.0-3.6x and taking a plane 1.9-2.3x faster here; from memory 1.0-1.6x. */
+ * restore's are, the widest vectors join, split and take planes markedly faster; from memory
+ * the gain is smaller (figures: benchmarks/README.md). */
 #if defined(__GNUC__)
 #define LOOP static inline __attribute__((always_inline))
 #else
@@ -154,18 +154,18 @@ enum { SPLIT_BLOCK = 1024 };  /* words of a residual worked out at once when spl
     }                                                                                       \
     /* A residual's words, each one's bytes to their planes (plane k at out + k * cap), in \
      * one pass over new and ref: the residual is worked out a block at a time on the stack \
-     * first (each loop vectorizes on its own: fused, a 64 MiB sub residual took 20 ms     \
-     * against 10.5). */                                                                   \
+     * first (each loop vectorizes on its own, which runs faster than one fused            \
+     * loop). */                                                                           \
     LOOP void spread_##W(const T *w, Py_ssize_t m, unsigned char *out, Py_ssize_t cap) {    \
         for (Py_ssize_t j = 0; j < m; j++)                                                  \
             for (int k = 0; k < W; k++) out[k * cap + j] = (unsigned char)(w[j] >> (8 * k)); \
     }                                                                                       \
     /* 64 words at a time: which of them changed, as the bits of a mask (flags the compiler \
      * vectorizes, packed 8 at a time by a multiply), then one position per set bit: no     \
-     * branch per word, where a changed word is least predictable (590K bf16 words of which \
-     * 18% changed: 199 us, against 267 writing every word's position and moving on only   \
-     * where it changed). With `planes`, the changed words' XOR residual goes to its byte   \
-     * planes too (plane k at planes + k * room), in the same pass: a sparse coding's values \
+     * branch per word, where a changed word is least predictable (faster than writing      \
+     * every word's position and moving on only where it changed). With `planes`, the      \
+     * changed words' XOR residual goes to its byte planes too (plane k at planes + k *     \
+     * room), in the same pass: a sparse coding's values                                     \
      * without gathering the changed words of both first. At most `room` are found. */    \
     LOOP Py_ssize_t where_##W(const unsigned char *new_, const unsigned char *ref_,         \
                               Py_ssize_t m, int64_t *out, Py_ssize_t room,                  \

@@ -498,7 +498,7 @@ static int planes_for(task_t *tasks, Py_ssize_t n) {
 
 /* Where the kernel backs memory with huge pages on request (transparent huge pages, "madvise"),
  * ask for them in the whole 2 MiB pages of words not yet written: faulting in a restore's
- * fresh words a 4 KiB page at a time cost 60 ms of every 200 MB, 22 ms in huge pages. */
+ * fresh words a 4 KiB page at a time costs several times what huge pages do. */
 static void huge_pages(task_t *tasks, Py_ssize_t n) {
 #if defined(REBUILD_DLOPEN) && defined(MADV_HUGEPAGE)
     const uintptr_t huge = (uintptr_t)2 << 20;

@@ -3,9 +3,9 @@
  * Through zstandard a stream is decompressed a frame at a time: per frame a Python call to
  * parse its header, one to decompress it, and the GIL handed back and taken again around
  * each, while the other decode threads wait for it between their own frames. A restore of
- * many small records (a Lightning checkpoint's) spends a good part of its time there: the
- * latest steps of benchmarks/compare.py's chains restored 9-26% faster with all of a small
- * stream's frames decompressed in one loop outside the GIL, as here:
+ * many small records (a Lightning checkpoint's) spends a good part of its time there, and
+ * restores faster with all of a small stream's frames decompressed in one loop outside the
+ * GIL, as here (benchmarks/README.md):
  *
  *   unframe(frames, chunk, out)   frame i of the sequence `frames` (byte buffers) into
  *                                 out[i * chunk:], each exactly min(chunk, rest) bytes

@@ -44,7 +44,7 @@ class CPU:
         if residual and words:  # one pass in C, without the GIL
             frames.native.apply_at(residual[0], ref.element_size(), words[0], pos.numpy())
             return ref
-        # numpy where the C loops are not built: 3.3 ms for 1.1M positions, torch's 5.2
+        # numpy where the C loops are not built: faster here than torch's indexing
         flat = ref.numpy()
         flat[pos.numpy()] ^= r.numpy()
         return ref

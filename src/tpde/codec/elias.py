@@ -86,8 +86,8 @@ def encoded_bits(positions: np.ndarray, *, use_native: bool = True) -> int:
 
 
 #: Positions coded at once. The encoder's temporaries (about 16 arrays of 8 bytes per position)
-#: stay near 10 MB however many positions changed, and pieces that fit in cache code faster:
-#: 3.5M positions took 425 MB and 0.72 s coded whole, 12 MB and 0.12 s in pieces of 65536.
+#: stay bounded however many positions changed, and pieces that fit in cache code several
+#: times faster than the whole at once.
 PIECE = 1 << 16
 
 
@@ -202,7 +202,8 @@ def encode(positions: np.ndarray, block: int = DEFAULT_BLOCK, *,
            use_native: bool = True) -> bytes:
     """Code strictly increasing flat positions into a self-describing stream.
 
-    The C coder, where built, codes 2-12x faster than numpy and without the GIL. numpy codes
+    The C coder, where built, codes several times faster than numpy and without the GIL
+    (``benchmarks/sparse_bench.py``). numpy codes
     ``PIECE`` positions at a time (a whole number of blocks), so memory stays bounded; the
     stream is the same as coding them all at once, and the same as the C coder's.
     """

@@ -39,34 +39,33 @@ CODECS = ("same", "sparse", "dense", "key", "quant")
 #: Above this many raw bytes the choice between codecs is made on a sample, not the whole tensor.
 EXACT_CHOICE_BYTES = 256 * 1024
 #: The sample: evenly spaced windows, together about 1/SAMPLE_FRACTION of the tensor, each
-#: between the two window sizes. A fixed 128K-word sample made each option cost a ~1 MB tensor
-#: 1.5x its own encode: compare.py's A saved 1.3x faster with this one, at the same ratio.
+#: between the two window sizes: a fixed sample would cost a mid-size tensor more than its
+#: own encode (figures: ``benchmarks/README.md``).
 SAMPLE_WINDOWS, SAMPLE_FRACTION = 16, 8
 MIN_WINDOW_WORDS, MAX_WINDOW_WORDS = 512, 8192
 #: A sparse and a dense option whose estimated sizes are closer than this are both coded in
-#: full, up to CLOSE_CALL_BYTES: estimates mis-ranked options 6-8% apart on C-minilm-bf16's
-#: 0.3-1.2 MB projections (larger tensors have larger samples; B's 47 MB embedding coded
-#: both ways slowed its save 10-20% for 5 kB).
+#: full, up to CLOSE_CALL_BYTES: samples mis-rank options that close on mid-size bf16
+#: projections, while larger tensors have larger samples and coding them both ways costs
+#: their save more than it gains.
 CLOSE_CALL, CLOSE_CALL_BYTES = 1.1, 4 << 20
 #: Host tensors up to this many words are sampled and compared with numpy, not torch, whose
 #: intra-op threads start on every call (``_changes``).
 NUMPY_WORDS = 1 << 20
-#: A tensor's coding, once chosen in full, is coded straight away at its next saves (of
-#: compare.py's chains, A's and F's tensors never changed their choice between deltas, and
-#: C's 87% of the time); the full choice is made again after REVALIDATE saves that used it,
+#: A tensor's coding, once chosen in full, is coded straight away at its next saves (most
+#: tensors keep their choice from delta to delta); the full choice is made again after
+#: REVALIDATE saves that used it,
 #: and as soon as it stores more than DRIFT times the bytes per word it did when chosen, the
 #: share of changed words moves by more than a factor DRIFT towards the other kind of coding
-#: (a sparse coding's size follows it: C's bf16 projections kept a dense choice 15% larger
-#: than sparse without this), or it comes within the key margin of the keyframe's size then.
-#: Fewer changed words only favour a sparse choice more, and more of them a dense one: C's
-#: tensors were chosen again 206 times in 20 saves on a move either way, 94 times on a move
-#: towards the other kind (the chain 7-10% faster, 404 bytes smaller).
+#: (a sparse coding's size follows it: without this, bf16 projections kept a dense choice
+#: larger than sparse), or it comes within the key margin of the keyframe's size then.
+#: Fewer changed words only favour a sparse choice more, and more of them a dense one, so
+#: only a move towards the other kind calls for a new choice.
 REVALIDATE, DRIFT = 8, 1.1
 
 #: The largest tensor ``encode_many`` codes with others. Larger ones are coded alone, their
 #: planes gathered frame by frame into the cache (``frames.compress_planes``): made whole, as
-#: a batch makes them, D's 47 MB embedding and its 32 MiB pieces faulted in fresh pages for
-#: every plane (D's chain saved 6% slower).
+#: a batch makes them, a large embedding's pieces would fault in fresh pages for every
+#: plane.
 MANY_BYTES = 1 << 20
 
 
@@ -77,10 +76,9 @@ class Settings:
     level: int | None = frames.DEFAULT_LEVEL
     chunk: int = frames.DEFAULT_CHUNK
     threads: int | None = None
-    #: A delta is used only when it is smaller than this fraction of the keyframe encoding.
-    #: 0.95 measured best over the compare.py workloads (0.9 keeps keyframes that a delta beats
-    #: by 5-10%: 3% more bytes on A; 1.0 makes chains deep enough that forced re-keys cost
-    #: more on E).
+    #: A delta is used only when it is smaller than this fraction of the keyframe encoding:
+    #: lower keeps keyframes a delta beats, 1.0 makes chains deep enough that forced re-keys
+    #: cost more (measured over ``benchmarks/compare.py``'s chains).
     key_margin: float = 0.95
     block: int = elias.DEFAULT_BLOCK
 
@@ -136,8 +134,8 @@ def plane_chunk(words: int, target: int) -> int:
     """A chunk size near ``target`` that tiles the byte planes of ``words`` words.
 
     Each plane is ``words`` bytes. Chunks that straddle planes mix the compressible top bytes
-    with incompressible mantissa bytes under one Huffman table: measured 2.7% larger on a real
-    147456-element fp32 weight (256 KiB chunks) than chunks of one plane each. Where the plane
+    with incompressible mantissa bytes under one Huffman table, which compresses worse than
+    chunks of one plane each. Where the plane
     size has no divisor in range, chunks drift by less than one byte per chunk.
     """
     if words <= 0:
@@ -179,7 +177,7 @@ def _sample_starts(length: int) -> tuple[list[int], int] | None:
 def _windows(t: torch.Tensor, sample: tuple[list[int], int]) -> torch.Tensor:
     """The windows of ``t`` at the sample's starts, end to end: slices, not a gather by index
     (the sampling of a mid-size tensor cost as much as its full encode that way); numpy's
-    concatenate up to ``NUMPY_WORDS`` (5 us against torch's 18 for 16 windows)."""
+    concatenate up to ``NUMPY_WORDS``, which costs less there than torch's."""
     starts, size = sample
     if t.is_cuda or t.numel() > NUMPY_WORDS:
         return torch.cat([t[a : a + size] for a in starts])
@@ -342,18 +340,17 @@ def _changes(new: torch.Tensor, ref: torch.Tensor, rows: list[np.ndarray] | None
     """How many words differ, and (when at most half do: only then is a sparse coding sized) a
     function that finds where, called only when a sparse coding is built: a tensor whose
     carried choice is dense is never searched. The count tells an unchanged tensor too:
-    torch.equal reads both in full as well, and took as long as the mask and its count together
-    (10M words: 3.7 ms against 3.7 ms). With ``rows`` (``native_rows`` of both) that function
+    torch.equal reads both in full as well, and takes as long as the mask and its count
+    together. With ``rows`` (``native_rows`` of both) that function
     also takes ``planes`` (``count`` bytes per plane), where it puts the changed words' XOR
     residual.
 
-    Host words are counted, and searched, by ``tpde.codec._planes`` without a mask: on C's full
-    chain numpy's mask, its count and its search took 15% of a save's samples. Without it, up to
-    ``NUMPY_WORDS`` host words the mask is numpy's: torch's mask and count of a 1 MB tensor took
-    189 us against numpy's 34 on the encode threads (its intra-op threads, started per call).
-    Larger tensors keep torch's, whose threads pay there: numpy's on a sharded save's 16 MiB
-    pieces raised each rank's peak resident set from 74-120 MB to 137-275 MB (why numpy's
-    allocations there cost more was not pinned down).
+    Host words are counted, and searched, by ``tpde.codec._planes`` without a mask, which
+    otherwise takes a large share of a sparse chain's save. Without it, up to ``NUMPY_WORDS``
+    host words the mask is numpy's: torch's starts its intra-op threads on every call from the
+    encode threads. Larger tensors keep torch's, whose threads pay there: numpy's on a sharded
+    save's pieces raised each rank's peak resident set (why numpy's allocations there cost
+    more was not pinned down).
     """
     n = new.numel()
     if rows:
@@ -365,8 +362,8 @@ def _changes(new: torch.Tensor, ref: torch.Tensor, rows: list[np.ndarray] | None
             return torch.from_numpy(at)
     elif new.is_cuda or n > NUMPY_WORDS:
         changed = new != ref
-        count = int(torch.count_nonzero(changed))  # a bool sum() runs 25x slower
-        # numpy's is 4x faster than torch.nonzero on the CPU; the same int64 positions
+        count = int(torch.count_nonzero(changed))  # far faster than a bool sum()
+        # numpy's is faster than torch.nonzero on the CPU; the same int64 positions
         where = (lambda: torch.nonzero(changed).reshape(-1)) if changed.is_cuda \
             else (lambda: torch.from_numpy(np.flatnonzero(changed.numpy())))
     else:
@@ -382,8 +379,8 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
         # A re-key keeps the tensor's delta choice for the deltas after it.
         return Encoding("key", sections={"values": _compress(new, s)}, choice=choice)
     ref = ref.to(new.device, non_blocking=True)
-    # The host words' rows, asked for once (3.7 us a time for two tensors: an encode asked
-    # four times, under the GIL that every encode thread needs).
+    # The host words' rows, asked for once (an encode asked four times, under the GIL that
+    # every encode thread needs).
     rows = native_rows(new, ref)
     count, where = _changes(new, ref, rows)
     if count == 0:
@@ -481,9 +478,9 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
             and sizes[ranked[1]] <= CLOSE_CALL * sizes[best] \
             and n * new.element_size() <= CLOSE_CALL_BYTES:
         # Sparse against dense, too close to call on the Elias estimate (its block headers
-        # make it up to ~10% high) or on samples: both are coded in full, positions too, and
-        # the smaller kept. (Between dense residuals samples rank well enough: settling
-        # those too slowed A's and B's saves 20% for 0.02% of bytes.)
+        # make it high) or on samples: both are coded in full, positions too, and the
+        # smaller kept. (Between dense residuals samples rank well enough: settling those
+        # too slowed fp32 saves markedly for next to no bytes.)
         for option in ranked[:2]:
             built[option] = whole = built.get(option) or build(option)
             sizes[option] = whole.stored

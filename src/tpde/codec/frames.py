@@ -41,8 +41,8 @@ def compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
     floats is mostly a skewed alphabet with little repetition, so zstd's gain there is its
     Huffman coding of literals; short matches found by level 1 cost more than the literals they
     replace, and level 1's small-input tables cut each chunk into small blocks with a Huffman
-    table each. Measured on the top plane of real fp32 weights (benchmarks/README.md): 2.925x
-    where the order-0 entropy allows 2.927x, against 2.55x for level 1, and 2-3x faster.
+    table each. On the top plane of real fp32 weights these settings come within a hair of
+    the plane's order-0 entropy, smaller and faster than level 1 (``benchmarks/README.md``).
     Frames are standard either way: any zstd decoder (nvCOMP included) reads them.
     """
     if level is not None:
@@ -81,9 +81,8 @@ def raw_sizes(raw: int, chunk: int) -> list[int]:
 
 
 #: The fewest slices of a frame's words over which ``_columns`` splits a residual: the frame
-#: threads take whole slices, and fewer leave one thread with a large share (3 slices of a
-#: 2.4 MB fp32 residual on 2 threads: 0.98 ms, against 0.83 made whole first; split whole
-#: into its planes now, as every smaller residual is).
+#: threads take whole slices, and fewer leave one thread with a large share (such a residual
+#: is split whole into its planes, as every smaller one is).
 MIN_COLUMNS = 8
 
 
@@ -102,13 +101,11 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     reference's words, the same shape), the planes of their residual (``mode``, numbered as in
     ``_planes.c``) and without making the residual where it spans ``MIN_COLUMNS`` slices of
     a frame's words or more (``_columns``); a smaller residual is split into all its planes in
-    one pass (3-10% faster than made whole and gathered frame by frame, from 4K to 1.5M fp32
-    words). The frames are those ``compress`` makes of the shuffled stream.
+    one pass (faster than made whole and gathered frame by frame). The frames are those ``compress`` makes of the shuffled stream.
 
     The words themselves (a keyframe) are gathered frame by frame, one plane at a time, into
-    the cache where they are compressed (``_columns``' slice of every plane of 256K fp32 words
-    does not fit one core's L2 here: a 64 MiB keyframe piece took 25 ms that way, 22
-    gathered), and the frames of one range of words follow each other, so that only the first
+    the cache where they are compressed (``_columns``' slice of every plane of a large slice
+    of words does not fit one core's L2), and the frames of one range of words follow each other, so that only the first
     reads the words from memory.
     """
     n, width = rows.shape
@@ -127,8 +124,8 @@ def compress_planes(rows: np.ndarray, *, against: np.ndarray | None = None, mode
     starts = range(0, raw, chunk)
     out: list[bytes] = [b""] * len(starts)
     # Word by word, not plane by plane: each range of words is gathered for all its planes'
-    # frames in turn, read from memory once and then from the cache (a 32 MB piece compressed
-    # 8-15% faster on one and two threads than its planes' frames in stream order).
+    # frames in turn, read from memory once and then from the cache (faster than its planes'
+    # frames in stream order).
     order = range(len(starts)) if width == 1 or len(starts) <= width else \
         sorted(range(len(starts)), key=lambda j: (starts[j] % n, starts[j] // n))
 
@@ -155,13 +152,13 @@ def compress_many(streams: list[tuple[np.ndarray, int]], *, level: int | None = 
     all their frames in one tight loop, spread over the frame threads as one stream's frames
     are. Coded a tensor at a time on threads side by side, each small tensor's few frames came
     between the Python of its encode, and the threads handed the GIL back and forth: a second
-    thread coded G's 106 small dense deltas (15 MB) no faster than one. One compressor, whose
+    thread coded many small dense deltas no faster than one. One compressor, whose
     window covers the largest chunk, makes the frames ``compress`` makes of every stream: zstd
     fits the window to a frame's known size.
 
-    (zstandard's ``multi_compress_to_buffer`` releases the GIL for a whole batch, but its two
-    threads compressed G's keyframe planes, 22.7 MB in 385 frames, no faster than one: 18-20
-    ms, against 11-12 here.)"""
+    (zstandard's ``multi_compress_to_buffer`` releases the GIL for a whole batch, but starts
+    its threads on every call: on many small frames two of them were no faster than one, and
+    slower than this loop; ``benchmarks/frames_bench.py``.)"""
     for _, chunk in streams:
         if not MIN_CHUNK <= chunk <= MAX_CHUNK:
             raise ValueError(f"chunk must be in [{MIN_CHUNK}, {MAX_CHUNK}] bytes")
@@ -204,8 +201,7 @@ def _columns(rows: np.ndarray, against: np.ndarray, mode: int, level: int | None
     its planes in one pass (``_planes.diff`` given a plane size, into a buffer of the thread
     that stays in cache), and the slice's frames are compressed from there, a frame within one
     plane without a copy. The words are read once, not once per plane, and a residual is never
-    made whole: a 64 MiB piece's ``sub`` residual and its planes took 45 ms (33 of them
-    faulting in the residual's fresh pages), and take 10.5 ms split.
+    made whole, which cost most of its time faulting in the residual's fresh pages.
 
     A frame's other pieces (where it ends one plane and starts the next) that lie outside its
     slice's words are split on their own; they are at most a frame each, at the planes' ends.
@@ -285,8 +281,8 @@ def _compressor(level: int | None, chunk: int) -> zstandard.ZstdCompressor:
     """This thread's compressor for these parameters (zstd contexts are not thread-safe, and
     making one per frame costs more than compressing a small frame). Kept by what sets its
     parameters: tensors of different sizes get different chunks (``codec.plane_chunk``), and
-    keyed by the chunk, C-minilm-bf16's save made a compressor for most tensors (3% of the
-    time its threads held the GIL), each thread keeping every one it made."""
+    keyed by the chunk, a bf16 model's save made a compressor for most tensors, each thread
+    keeping every one it made."""
     made = _local.__dict__.setdefault("compressors", {})
     key = (level, None if level is not None else _window(chunk))
     if key not in made:

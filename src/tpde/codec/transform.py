@@ -21,14 +21,14 @@ from tpde.runtime import heap
 
 RESIDUALS = ("xor", "sub")
 #: Words a residual is computed or applied at a time: with torch (on a device) and with
-#: numpy (on the host; 256K words computed a 10M-word residual in 20 ms, 1M words in 25 ms).
+#: numpy (on the host, where a slice that stays in cache is the faster one).
 RESIDUAL_SLICE, HOST_SLICE = 1 << 20, 1 << 18
 
 
 def to_words(t: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     """The tensor's bits as a flat contiguous array of signed words (a copy only if needed)."""
     if t.element_size() == word_dtype.itemsize and t.is_contiguous():
-        # One view, not four: a save of 1000 small tensors spent 5% of its samples here.
+        # One view, not four: a save of many small tensors spends a share of its time here.
         return t.view(-1).view(word_dtype)
     return t.contiguous().reshape(-1).view(torch.uint8).view(word_dtype)
 
@@ -51,7 +51,7 @@ def shuffle(words: torch.Tensor) -> torch.Tensor:
     raw = words.view(torch.uint8)
     if width == 1:
         return raw
-    # One strided copy per plane: ~10x faster than a transposing .contiguous() on the CPU.
+    # One strided copy per plane: far faster than a transposing .contiguous() on the CPU.
     planes = torch.empty((width, words.numel()), dtype=torch.uint8, device=words.device)
     by_word = raw.reshape(-1, width)
     for k in range(width):
@@ -98,8 +98,8 @@ def apply_streamed(ref: torch.Tensor, stream: unframe.Framed | unframe.Frames, h
     applies a dense delta: no residual as large as the tensor is allocated and filled first
     (fresh pages cost as much as the decode here), and every pass runs in cache (a 64 MiB
     fp32 delta: ``benchmarks/README.md``). With ``tpde.codec._planes`` a slice's residual words are
-    joined from their planes and applied in the same pass: a step 15 dense deltas deep
-    restored in 0.69 s instead of 0.92. ``undo``: as ``apply_residual``'s.
+    joined from their planes and applied in the same pass, which shortens a deep chain's
+    restore. ``undo``: as ``apply_residual``'s.
     """
     n, width = ref.numel(), ref.element_size()
     if stream.raw != n * width:
@@ -142,9 +142,7 @@ def unshuffle(planes: torch.Tensor, word_dtype: torch.dtype) -> torch.Tensor:
     """Host words from their byte planes (a device's are put together by ``tpde.kernels``):
     joined by ``tpde.codec._planes`` where it is built, else as little-endian words built from the
     top plane down, a shift and an OR per plane, which beat a strided byte copy per plane
-    (303 and 309 us a MiB of bf16 and fp32 words against 99 and 247, measured apart). In
-    ``sparse_bench.py``, with fresh words: C 46-48 and 88-92 us a MiB, numpy 143 and
-    323-392."""
+    (both measured in ``benchmarks/sparse_bench.py``)."""
     width = torch.empty(0, dtype=word_dtype).element_size()
     if planes.numel() % width:
         raise FormatError("byte planes do not hold a whole number of words")
@@ -167,10 +165,10 @@ def residual(new: torch.Tensor, ref: torch.Tensor, how: str, kind: str) -> torch
     """XOR, or the zigzagged difference of the words' (order-preserving) integer images.
 
     Host words are worked on in one pass by ``tpde.codec._planes`` where it is built. Without it,
-    with numpy, as in ``apply_residual`` (20 ms for 10M fp32 words on one core, against 28 ms
-    for torch on two), a ``sub`` residual is computed a slice at a time into its result, with
-    one slice-sized temporary: every pass runs in cache, and a large tensor costs its result
-    and nothing else (25M fp32 words: 53 ms, against 207 ms for whole-tensor passes).
+    with numpy, as in ``apply_residual`` (faster on one core than torch on two), a ``sub``
+    residual is computed a slice at a time into its result, with one slice-sized temporary:
+    every pass runs in cache, and a large tensor costs its result and nothing else, several
+    times less than whole-tensor passes.
     """
     if how == "xor":
         if new.device.type == "cpu":
@@ -231,8 +229,7 @@ def apply_residual(ref: torch.Tensor, r: torch.Tensor, how: str, kind: str, *,
 
     In one pass by ``tpde.codec._planes`` where it is built, otherwise with numpy; not torch: a
     restore applies residuals on its frame threads, where torch's own intra-op threads would
-    oversubscribe the cores (a 200 MB delta step restored 15-20% faster with numpy here than
-    with torch).
+    oversubscribe the cores (a delta step restored faster with numpy than with torch).
     """
     mode = residual_mode(how, kind, undo=undo)
     out = ref if inplace else ref.clone()

@@ -101,8 +101,8 @@ def by_slices(stream: Frames | Framed, n: int,
     each slice ``chunk`` words (its part of every plane spans at most two frames), given by
     its first word, shared out in runs of slices over the frame threads, each reading the
     frames through a ``Framed`` of its own, which checks each frame's declared size as its
-    thread reaches it (not all of them first on this thread: 0.5 ms of a 32 MiB piece's 12
-    that nothing else ran beside).
+    thread reaches it (not all of them first on this thread, where nothing else would run
+    beside the checks).
 
     A ``Framed`` stream (a memory-first decode, whose frames may be fetched as they are
     reached) is shared out only from ``FRAMED_SPREAD_BYTES`` a thread on: its records come
@@ -129,8 +129,8 @@ def unshuffle_into(stream: Frames | Framed, rows: np.ndarray, *,
     Slice by slice (``by_slices``), a slice's part of every plane is decompressed (each frame
     once, as ``Framed`` keeps the last ones) and its words are joined from the frames in cache,
     in one write pass (``Framed.words_into``). No copy of the planes is held beside the words,
-    and the words are not written once per plane: put plane by plane, a 200 MB keyframe
-    restored at 2.0-2.2 GB/s, 57% of its samples in the puts.
+    and the words are not written once per plane, where a keyframe's restore spent most of
+    its time.
     """
     n, width = rows.shape
     if len(raw_sizes(stream.raw, stream.chunk)) != len(stream.frames) or n * width != stream.raw:
@@ -149,9 +149,8 @@ def unshuffle_into(stream: Frames | Framed, rows: np.ndarray, *,
 def whole(stream: Frames) -> list[bytes | np.ndarray]:
     """A small stream's frames decompressed: all of them in one call by ``_zframes`` (where
     it found zstd), which holds no GIL and takes no Python per frame, else each in one call to
-    zstandard. Through ``Framed`` and the frame threads, E's small records took 16 us each
-    where zstandard's calls here and ``join_whole`` take 6; ``_zframes`` restored E's and G's
-    latest steps 10-26% faster than those calls. Each frame's declared size is checked first,
+    zstandard. Through ``Framed`` and the frame threads, small records cost more than those
+    direct calls, and ``_zframes`` less still. Each frame's declared size is checked first,
     and zstd is told the size, so a frame that claims or produces more is refused before
     anything large is allocated."""
     if zframes is not None:  # which checks the chunk count as the loop below does
@@ -178,7 +177,7 @@ def whole(stream: Frames) -> list[bytes | np.ndarray]:
 def frame_into(frame: memoryview | bytes, buf: np.ndarray, n: int) -> None:
     """One frame of ``n`` raw bytes decompressed into ``buf[:n]``, its declared size checked
     first: by ``_zframes`` where it found zstd, else by zstandard, with a few microseconds of
-    Python a frame more (a 200 MB delta step, 800 frames, restored 5-6% more slowly)."""
+    Python a frame more."""
     if zframes is not None:
         _unframed((frame,), n, buf[:n])
         return

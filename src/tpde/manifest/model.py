@@ -19,7 +19,7 @@ from tpde.errors import FormatError
 #: The newest format this tpde reads: format 7 adds packs (records holding many small spans
 #: end to end, which the skeleton's tensors view by their ``part``), written by every save
 #: that packs any. Format 6 names record hashes by their function (XXH3-128,
-#: 34x faster than BLAKE2b here, where a save hashed every byte once and a restore again), and
+#: far faster than BLAKE2b, where a save hashes every byte once and a restore again), and
 #: is written by every other new save. Format 5 adds sharded steps (records in several blobs,
 #: one per rank that wrote them, and the ``torch.distributed.checkpoint`` metadata), written
 #: only by sharded saves. Format 4 adds error-bounded records (the opt-in lossy mode), and is
@@ -49,8 +49,7 @@ def content_hash(data: memoryview | bytes) -> str:
 
 def record_hash(data: memoryview | bytes | np.ndarray) -> str:
     """The hash a new record stores of its restored bytes (format 6): XXH3-128, which runs at
-    memory speed (32 GB/s against BLAKE2b's 0.94 GB/s on one core here) and catches damage as
-    surely; the manifest itself keeps its BLAKE2b digest."""
+    at memory speed (BLAKE2b runs at a small fraction of it) and catches damage as surely; the manifest itself keeps its BLAKE2b digest."""
     return XXH3 + xxhash.xxh3_128_hexdigest(data)
 
 
@@ -137,9 +136,8 @@ class Records(Sequence[Record]):
     asked for (``parse(..., lazy=True)``, as a chain's reader reads), then kept.
 
     A restore reads the manifest of every step its tensors' lineages pass through and uses a
-    third of their records: E's latest step (``compare.py``) reads 23 manifests and 4853
-    records, and builds 1789. Its manifests took 45 ms of a 170 ms restore to parse, more than
-    half of it building and checking records (``benchmarks/README.md``, seventeenth round).
+    fraction of their records; parsed whole, the manifests took a large share of a Lightning
+    chain's restore, most of it building and checking records (``benchmarks/README.md``).
     The manifest's digest still covers every byte of it when it is read, so only a record that
     no reader asks for goes unchecked.
     """
@@ -240,7 +238,7 @@ class Manifest:
     @property
     def raw_bytes(self) -> int:
         """Summed once per list of records: a save asked it of the run's visible steps up to
-        nine times (a 211-record Lightning step: 1.7 ms a save)."""
+        nine times."""
         held = self.__dict__.get("_raw_bytes")
         if held is None or held[0] is not self.records:
             held = self.__dict__["_raw_bytes"] = (self.records,
@@ -298,7 +296,8 @@ class Manifest:
             if not body[key]:
                 del body[key]
         # What canonical(body) writes, each record's JSON written once (``_record_json``):
-        # G's re-bases spent a fifth of their time under the GIL writing records' JSON again.
+        # re-bases spent a large share of their time under the GIL writing records' JSON
+        # again.
         canon = ("{" + ",".join(
             json.dumps(k) + ":" + ("[" + ",".join(map(_record_json, v)) + "]" if k == "records"
                                    else _json(v))
@@ -335,8 +334,7 @@ class _Skeleton:
     """``Manifest.skeleton``, read from the manifest's JSON when first asked for. A restore
     reads every manifest of its steps' lineages but the skeleton of one: kept parsed, the
     others' lists and dicts were half the objects the lineage's manifests held, each walked by
-    every full collection of Python's garbage collector while they lived (0.5 of them per
-    restore of E's latest step, 42 ms each)."""
+    every full collection of Python's garbage collector while they lived."""
 
     def __get__(self, m: Manifest | None, owner: type | None = None) -> Any:
         if m is None:
@@ -387,9 +385,9 @@ _OPTIONAL_IN_ORDER = tuple(f.name for f in _RECORD_FIELDS if f.name in _OPTIONAL
 def _record_text(r: Record) -> str:
     """``_json(_record_body(r))``, written field by field where every field has the plain type
     the writers give it. A save writes every record of its step anew, and a re-base every
-    record it rewrites: G's 211 records took 1.5-2.2 ms through a dict and ``json.dumps``,
-    0.5-0.8 ms so. (A field added to ``Record`` is added here too: ``test_manifest.py``
-    compares the two for any record.)"""
+    record it rewrites, several times faster so than through a dict and ``json.dumps``. (A
+    field added to ``Record`` is added here too: ``test_manifest.py`` compares the two for any
+    record.)"""
     if not (type(r.name) is type(r.dtype) is type(r.device) is type(r.codec) is type(r.hash)
             is str and type(r.numel) is type(r.count) is int
             and (r.ref is None or type(r.ref) is int)

@@ -54,14 +54,10 @@ def collector_paused() -> Iterator[None]:
     held the GIL the training thread waits for.
 
     A parse makes about a thousand containers (the JSON's dicts and lists), and they set off
-    collections: 58 per restore of E's latest step (23 manifests), and a full one, which walks
-    torch's 200k objects (42-70 ms), every 2.5 restores. Held off: 16 per restore, a full one
-    every 7.5 (``benchmarks/README.md``, sixteenth round). Records built as the walk asks for
-    them, outside any pause, set off 2.1 times as many collections again, and a full one every
-    3.3 restores (seventeenth round). Held off for the whole call (nineteenth round): six saves
-    of ``compare.py``'s A chain (209 tensors a step) set off 6 collections instead of 30 (2 ms
-    of collecting instead of 19), and 20 restores of E's latest step 1 instead of 84-86 (2-6
-    ms instead of 181-205)."""
+    collections, now and then a full one, which walks every object torch holds. Records built
+    as the walk asks for them, outside any pause, set off more again. Held off for the whole
+    call, a save or a restore sets off a few collections instead of dozens
+    (``benchmarks/README.md``)."""
     if not gc.isenabled():  # switched off by the program, or by an enclosing pause
         yield
         return

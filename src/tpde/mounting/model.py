@@ -33,12 +33,10 @@ from tpde.runtime import frame_threads, heap
 from tpde.store.resident import ResidentStore
 
 #: Free heap a mount at budget 0 lets build up beyond what it held after its last trim, looked
-#: at once for every as many bytes of words rebuilt (``heap.Trims``). The
-#: trims of the Python path (``heap.freed``: every 16 MiB of values rebuilt) ran 7 times a
-#: forward of MiniLM two deltas deep, and the forward handed back the rebuilds' buffers that
-#: the next module faulted in again; at 4 MiB it trims about once, its first forward, and a
-#: small LM's forward (``benchmarks/mount_memory.py``) peaked 18-23 MiB above the baseline,
-#: against 25 with 16 MiB kept.
+#: at once for every as many bytes of words rebuilt (``heap.Trims``). The Python path's trims
+#: (``heap.freed``) ran several times a forward and handed back the rebuilds' buffers that
+#: the next module faulted in again; at this size a mount trims about once, at its first
+#: forward, and peaks lower (``benchmarks/mount_memory.py``).
 KEEP_FREE_BYTES = 4 << 20
 
 
@@ -77,7 +75,7 @@ class Mount:
         if decoder not in ("auto", "cpu", "kernels"):
             raise ValueError('decoder must be "auto", "cpu" or "kernels"')
         kernels = decoder == "kernels" or (decoder == "auto" and device.type == "cuda")
-        if kernels:  # only then: importing triton costs 140 MB of memory on a CPU-only mount
+        if kernels:  # only then: importing triton costs a CPU-only mount much memory
             from tpde.kernels import triton_kernels
 
             if decoder == "kernels" and not triton_kernels.available():
@@ -416,8 +414,8 @@ class Mount:
         ``name``'s, not yet held) and ahead stay within the budget plus the largest module,
         the bound a forward reaches anyway. On the CPU only when torch's intra-op threads
         leave the worker a CPU: where they take every one, those that wait for their next
-        region spin on the worker's CPU and a MiniLM forward at budget 0 took 131-156 ms with
-        decodes ahead against 114-118 without. The CPUs are counted each time: a process may
+        region spin on the worker's CPU, and a forward at budget 0 was slower with decodes
+        ahead than without. The CPUs are counted each time: a process may
         be bound to its cores after its model was mounted."""
         if self._pool is None or (self.device.type == "cpu" and
                                   torch.get_num_threads() >= frame_threads.usable_cpus()):

@@ -101,8 +101,8 @@ def span_buffers(chain: Chain, step: int, owned: list[Owned],
                  ) -> tuple[dict[tuple[str, ...], torch.Tensor], dict[str, torch.Tensor]]:
     """One host buffer per span of ``owned`` stored in pieces (``alloc(words, word dtype)``),
     and each piece's place in it:
-    the pieces are rebuilt there, not put together after in fresh pages (MiniLM's 47 MB
-    embedding in two pieces took a forward at budget 0 from 52-60 ms to 77-80)."""
+    the pieces are rebuilt there, not put together after in fresh pages, which made a
+    forward at budget 0 markedly slower for a large embedding in pieces."""
     whole: dict[tuple[str, ...], torch.Tensor] = {}
     into: dict[str, torch.Tensor] = {}
     m = chain.manifest(step)

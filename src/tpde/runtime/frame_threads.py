@@ -12,8 +12,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 #: The fewest raw bytes worth handing to another frame thread. The writer's and the reader's
-#: tasks already code tensors side by side: spreading a 1 MB tensor's frames as well (from
-#: 256 KiB on) saved compare.py's A at 594 MB/s, against 646 from 2 MiB on (C: 618 / 611).
+#: tasks already code tensors side by side, and spreading a small tensor's frames as well
+#: slowed fp32 saves (``benchmarks/README.md``).
 SPREAD_BYTES = 2 << 20
 
 _pool_lock = threading.Lock()
@@ -121,8 +121,8 @@ def spread(count: int, threads: int | None, work: Callable[[Iterable[int]], None
     what is left by then.
 
     zstd releases the GIL for each frame; the process keeps its frame threads, where
-    zstandard's ``multi_*_to_buffer`` start threads on every call (``benchmarks/frames_bench.py``:
-    a second thread makes them 1.0-1.5x faster, and compression here 1.9-2.0x). Each thread
+    zstandard's ``multi_*_to_buffer`` start threads on every call, and gain less from a
+    second one than compression here does (``benchmarks/frames_bench.py``). Each thread
     gets at least ``least`` of the ``raw`` bytes (None: ``SPREAD_BYTES``): below that a
     hand-off costs more than it spares, and small tensors are already coded side by side by
     the writer's tasks.

@@ -49,17 +49,14 @@ def return_freed_memory(keep: int = 0, floor: int | None = None) -> int | None:
 
     Returns the ``floor`` for the next call: the free bytes after a trim, or the fewer of the
     last floor and those now (memory the program took from the free heap since, and freed
-    again, goes back too once it adds up to ``keep``); None until a first trim. Pages already handed back still count as
-    free, so a heap compared with ``keep`` alone was trimmed after every save once it had held
-    that much free, and every save faulted its buffers' pages in again: in a process that had
-    freed 530 MB before G's 23 saves (``compare.py`` loads the workload's states first), each
-    save trimmed for 0.4-3.7 ms, and G's saves and removals took 7-15% longer.
+    again, goes back too once it adds up to ``keep``); None until a first trim. Pages already
+    handed back still count as free, so a heap compared with ``keep`` alone was trimmed after
+    every save once it had held that much free, and every save faulted its buffers' pages in
+    again, which made a process's saves and removals markedly slower.
 
-    The freed pages kept are those the next save faults in again: trimming after every save of
-    a 46 MB bf16 state cost its chain 55-90K more page faults and 8% of its CPU time (C saved at
-    709 MB/s, 783 with the trim skipped while at most 256 MiB were free), for 21 MB less idle
-    memory. A writer that never trimmed once held 550 MB idle on that chain, when an encode's
-    temporaries were not bounded; ``keep`` bounds what stays.
+    The freed pages kept are those the next save faults in again: trimming after every save
+    costs page faults and CPU time for little idle memory spared, and a writer that never
+    trims holds what its largest save freed; ``keep`` bounds what stays.
     """
     if _MALLOC_TRIM is None:
         return None
@@ -72,14 +69,14 @@ def return_freed_memory(keep: int = 0, floor: int | None = None) -> int | None:
 
 def in_heap(nbytes: int) -> np.ndarray:
     """A decode's bytes from the heap, where the next decode finds them already faulted in (a
-    fresh map's pages cost a fault each: 16 ms for 47 MB here): the Python path's buffers. A
+    fresh map's pages cost a fault each): the Python path's buffers. A
     mount at budget 0 rebuilds its words in an ``Arena``, which keeps its pages.
 
     A memory-first decode (a mount at budget 0) took its buffers from maps of their own, given
-    back to the system as each was freed, and trimmed the heap after every module: a forward of
-    MiniLM mounted at its keyframe took 116-120 ms, faulting its tensors' fresh pages in each
-    time. From the heap, trimmed as ``freed`` says, it takes 58-70 ms (two deltas deep: 227-238
-    against 117-154), for up to 4 MB more at the peak (``benchmarks/mount_memory.py``).
+    back to the system as each was freed, and trimmed the heap after every module: each
+    forward faulted its tensors' fresh pages in again. From the heap, trimmed as ``freed``
+    says, a forward takes about half the time, for a few MB more at the peak
+    (``benchmarks/mount_memory.py``).
     """
     return np.empty(nbytes, dtype=np.uint8)
 
@@ -88,7 +85,7 @@ class Trims:
     """The heap handed back for one user of it (a writer, a mount, the memory-first decodes)
     whenever it holds ``keep`` bytes more free than after that user's last trim (the floor
     ``return_freed_memory`` compares with), looked at once ``every`` bytes were counted since
-    the last look (0: at every call; the look, ``mallinfo2``, took 45 us here)."""
+    the last look (0: at every call; the look, ``mallinfo2``, is not free)."""
 
     def __init__(self, every: int = 0) -> None:
         self.every = every
@@ -110,9 +107,9 @@ class Trims:
             self._floor = floor
 
 
-#: Bytes a memory-first decode frees between two trims of the heap (``freed``). Per forward of
-#: MiniLM at budget 0, trimmed every 8 / 16 / 32 MiB: 64 / 58 / 53 ms; a small bf16 model's
-#: peak rose 12 / 12-15 / 11-23 MiB over its forward, against 24 for a dense load.
+#: Bytes a memory-first decode frees between two trims of the heap (``freed``): trimmed more
+#: often, a forward at budget 0 is slower; less often, its peak rises towards a dense load's
+#: (``benchmarks/mount_memory.py``).
 TRIM_EVERY_BYTES = 16 << 20
 _freed = Trims(every=TRIM_EVERY_BYTES)
 
@@ -135,11 +132,10 @@ class Arena:
     """Words that a memory-first decode takes again and again, from maps of their own whose
     pages stay faulted in: a mount at budget 0 rebuilds every module on every forward. From
     the heap, trimmed as ``freed`` says so that the process held no more than it used, a
-    MiniLM forward faulted its words in again each time (5,500-9,200 page faults, against
-    150-290 from an arena), and its 47 MB embeddings, above glibc's mmap threshold, were
-    mapped and unmapped every forward: it decoded at 0.72-0.81x the restore path's speed at
-    the keyframe and 0.69-0.90x two deltas deep, and from an arena at 0.94-1.31x and
-    0.92-1.07x (``benchmarks/mount_bench.py --alternate``).
+    forward faulted its words in again each time (dozens of times the page faults of an
+    arena), and embeddings above glibc's mmap threshold were mapped and unmapped every
+    forward: it decoded below the restore path's speed, and from an arena at about it
+    (``benchmarks/mount_bench.py --alternate``).
 
     Words are handed out first-fit, so that the pages touched stay near the most words alive
     at once. They go back when the last array (or tensor) viewing them is freed, whatever

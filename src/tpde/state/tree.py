@@ -89,7 +89,7 @@ def flatten(state: Any) -> Flat:
 
     The walks are module functions, not closures: a closure that calls itself is a reference
     cycle, and one that held the state's tensors kept them alive after the call, until
-    Python's collector came by (``unflatten`` held a restored state's 200 MB so)."""
+    Python's collector came by (``unflatten`` held a whole restored state so)."""
     leaves = _Leaves()
     skeleton = _walk(state, "", leaves)
     spans, views = _group(leaves.tensors)
@@ -193,7 +193,7 @@ def _group(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[Span], dict[in
                 "stride": list(t.stride()),
                 "offset": t.storage_offset() - lo,
                 # (``_storable`` let in exactly these two types; the metaclass's isinstance
-                # took a sixth of a flatten of G's 211 tensors.)
+                # took a large share of a flatten of many small tensors.)
                 "param": type(t) is torch.nn.Parameter,
                 "grad": bool(t.requires_grad),
             }
@@ -213,8 +213,9 @@ def pack(flat: Flat, below: int, most: int, apart: Callable[[Span], bool] | None
     weights alone decodes none of its optimizer's state.
 
     A checkpoint holds many tiny tensors (biases, norms, their optimizer moments, Adam's step
-    counts: 153 of G's 211), and a save spends about as much on each as on a tensor of 64 KiB;
-    packed, G's saves and removals took 24% less time. ``apart`` keeps spans out (those saved
+    counts: most of a Lightning model's), and a save spends about as much on each as on a
+    tensor of 64 KiB; packed, saves and removals of such states take markedly less time.
+    ``apart`` keeps spans out (those saved
     under an error bound); a span that is a pack already stays as it is."""
     groups: dict[tuple[str, str, torch.dtype], list[list[int]]] = {}
     filled: dict[tuple[str, str, torch.dtype], int] = {}  # bytes in each group's last pack

@@ -33,17 +33,15 @@ RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
 #: within the budget, and one that never answered fails at its first deadline.
 OP_TIMEOUT_S, RETRY_BUDGET_S, MIN_RATE = 20.0, 60.0, 1 << 20
 #: A local blob's written bytes are handed to the disk every WRITEBACK_BYTES, while the rest is
-#: still being coded, so that the fsync before its commit has little left to wait for
-#: (200 MB keyframe: the fsync took 55-90 ms, 5-6 ms with this). Every 16 MiB left a small
-#: step's blob (30 MB on compare.py's A) half to its fsync: A's 6 saves waited 48 ms in fsync
-#: and saved at 567 MB/s, against 10 ms and 632 MB/s every 1 MiB (E: 539 against 619 MB/s);
-#: the 200 MB state saved as fast either way.
+#: still being coded, so that the fsync before its commit has little left to wait for; a
+#: larger interval left a small step's blob half to its fsync, and made small saves slower
+#: (``benchmarks/README.md``).
 WRITEBACK_BYTES = 1 << 20
 #: A local blob's frames are held (not copied) until this many bytes are pending, then handed
 #: to the file in one ``writev``: the frames of small tensors are a few kB each, and with
 #: Python's default 8 kB buffer every other one was a system call of its own; a buffered
-#: file copies each frame into its buffer holding the GIL (6% of the GIL's time in a save of
-#: compare.py's A), where ``writev`` copies them into the page cache without it.
+#: file copies each frame into its buffer holding the GIL, where ``writev`` copies them into
+#: the page cache without it.
 WRITE_BUFFER = 1 << 20
 #: Frames per ``writev`` call (Linux's IOV_MAX).
 WRITE_PARTS = 1024
@@ -109,8 +107,8 @@ class Entry:
 #: and dropped), up to this many bytes per request.
 COALESCE_GAP, COALESCE_SPAN = 64 << 10, 64 << 20
 #: Local reads of at least this many bytes map the file instead of copying it: reading a
-#: 164 MB blob into new memory took 90 ms (most of it faulting in fresh pages), mapping it and
-#: touching every page 6 ms. Smaller reads cost less as copies than as mappings.
+#: large blob into new memory spends most of its time faulting in fresh pages, many times
+#: what mapping it costs. Smaller reads cost less as copies than as mappings.
 MAP_BYTES = 1 << 20
 #: Files a thread keeps open at most within ``Store.kept_open``.
 KEPT_OPEN = 32
