@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,10 @@ _RUNS: dict[str, Run] = {}
 #: the next plugin of this process to write there (a collector may not do I/O).
 _DROPPED: dict[str, Lease] = {}
 _LOCK = threading.Lock()
+#: Folders whose plugins were collected, looked at under ``_LOCK`` as soon as it is free: a
+#: collection runs its finalizers wherever it happens, in a thread that may hold the lock
+#: already (inside ``acquire``, making a writer), which waiting for it would deadlock.
+_FORGOTTEN: deque[str] = deque()
 
 
 def acquire(url: str, user: Any, storage_options: dict[str, Any],
@@ -41,6 +46,7 @@ def acquire(url: str, user: Any, storage_options: dict[str, Any],
     """The writer of ``url``, made with ``options`` by its first user."""
     key = entries.normalize(url)
     with _LOCK:
+        _drop_forgotten()
         run = _RUNS.get(key)
         if run is None:
             dropped = _DROPPED.pop(key, None)
@@ -53,23 +59,34 @@ def acquire(url: str, user: Any, storage_options: dict[str, Any],
 
 
 def forget(urls: set[str]) -> None:
-    """Drop the runs at ``urls`` that no live user holds (no I/O: this runs at collection).
-    Their leases are kept until this process writes the folder again, which gives them up; a
-    job elsewhere waits for them to lapse, as for a writer that died."""
-    with _LOCK:
-        for url in urls:
-            key = entries.normalize(url)
-            run = _RUNS.get(key)
-            if run is not None and not list(run.users):
-                del _RUNS[key]
-                if run.ckpt.lease.held:
-                    _DROPPED[key] = run.ckpt.lease
+    """Drop the runs at ``urls`` that no live user holds: now where the lock is free, else
+    as soon as the holder lets go of it (this runs at collection, never waits and does no
+    I/O). Their leases are kept until this process writes the folder again, which gives them
+    up; a job elsewhere waits for them to lapse, as for a writer that died."""
+    _FORGOTTEN.extend(urls)
+    if _LOCK.acquire(blocking=False):
+        try:
+            _drop_forgotten()
+        finally:
+            _LOCK.release()
+
+
+def _drop_forgotten() -> None:
+    """``forget``'s work, under ``_LOCK``."""
+    while _FORGOTTEN:
+        key = entries.normalize(_FORGOTTEN.popleft())
+        run = _RUNS.get(key)
+        if run is not None and not list(run.users):
+            del _RUNS[key]
+            if run.ckpt.lease.held:
+                _DROPPED[key] = run.ckpt.lease
 
 
 def release(url: str, user: Any) -> GcReport:
     """``user`` is done with ``url``'s run; the last one closes it."""
     key = entries.normalize(url)
     with _LOCK:
+        _drop_forgotten()
         run = _RUNS.get(key)
         if run is None:
             return GcReport()

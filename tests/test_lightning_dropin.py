@@ -386,3 +386,30 @@ def test_a_plugin_dropped_without_teardown_keeps_no_copy_of_what_it_saved(tmp_pa
     again.save_checkpoint({"w": torch.zeros(shape)}, str(tmp_path / "b.ckpt"))
     again.teardown()
     assert not torch.load(str(tmp_path / "b.ckpt"), weights_only=False)["w"].any()
+
+
+def test_a_plugin_collected_while_its_thread_makes_a_writer_does_not_hang(tmp_path) -> None:
+    """A dropped plugin's finalizer runs wherever the collection happens: in the thread that
+    is making a writer, under the writers' lock, a finalizer that waited for that lock hung
+    the save (and the ``Trainer``) for good. What it lets go of is dropped at the next use."""
+    from tpde.plugins import writers
+
+    box = [tpde.TPDECheckpointIO()]
+    box[0].save_checkpoint({"w": torch.ones(8)}, str(tmp_path / "a.ckpt"))
+    done = threading.Event()
+
+    def drop_under_the_lock() -> None:
+        with writers._LOCK:
+            box.clear()  # the last reference: its finalizer runs here, now
+            gc.collect()
+        done.set()
+
+    thread = threading.Thread(target=drop_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert done.is_set(), "a plugin's finalizer waited for the lock its own thread held"
+    again = tpde.TPDECheckpointIO()  # the folder's lease is this process's: taken at once
+    again.save_checkpoint({"w": torch.zeros(8)}, str(tmp_path / "b.ckpt"))
+    again.teardown()
+    assert not torch.load(str(tmp_path / "b.ckpt"), weights_only=False)["w"].any()
+    assert torch.load(str(tmp_path / "a.ckpt"), weights_only=False)["w"].all()
