@@ -91,8 +91,8 @@ class OnRun:
         self._chain = None  # manifests are read afresh for every save and load
 
 
-#: ``reference="host"``: by (run, rank), the step a rank saved last and its words of it.
-_HELD: dict[tuple[str, int], tuple[int, dict[str, torch.Tensor]]] = {}
+#: ``reference="host"``: by (run, rank), the step a rank saved last, its blob, and its words.
+_HELD: dict[tuple[str, int], tuple[int, str, dict[str, torch.Tensor]]] = {}
 #: By (run, rank): each piece's delta coding as last chosen, tried first at the next save.
 _CHOICES: dict[tuple[str, int], dict[str, encoder.Choice]] = {}
 #: By run (however its URL is spelled): the writer lease this process's coordinator holds. A
@@ -207,9 +207,10 @@ class Writer(OnRun, StorageWriter):
         self._keep = {} if self.reference == "host" else None
         results = self._write(plan.items, planner, shared)
         if self._keep is not None:
-            # Kept for the next save, which uses it only if this step is its reference (a
-            # step the coordinator fails to commit never is).
-            _HELD[key] = (self.step, self._keep)
+            # Kept for the next save, which uses it only if this very save, by its blob, is
+            # its reference (a step the coordinator fails to commit never is, nor a step of
+            # the same number in a run made again at the same place).
+            _HELD[key] = (self.step, self._blob, self._keep)
         self._keep = None
         fut.set_result(results)
         return fut
@@ -253,7 +254,8 @@ class Writer(OnRun, StorageWriter):
     def _write(self, items: list[WriteItem], planner: SavePlanner, shared: _Plan
                ) -> list[WriteResult]:
         chain = self.chain
-        blob = f"{DATA}/{step_name(self.step)}-r{self.rank}-{uuid.uuid4().hex[:12]}.tpd"
+        blob = self._blob = \
+            f"{DATA}/{step_name(self.step)}-r{self.rank}-{uuid.uuid4().hex[:12]}.tpd"
         writer = chain.store.open_write(blob)
         prev = chain.manifest(shared.reference) if shared.reference is not None else None
         most = max(1, self.max_inflight_bytes // 2)
@@ -308,8 +310,9 @@ class Writer(OnRun, StorageWriter):
         wanted = [p for p in usable if p not in keyed]
         held = _HELD.get((self.chain.url, self.rank)) if self.reference == "host" else None
         out = {}
-        if held is not None and held[0] == prev.step:  # this rank's words of that very step
-            out = {p: held[1][p] for p in wanted if p in held[1]}
+        if held is not None and held[0] == prev.step and \
+                any(s["blob"] == held[1] for s in prev.shards):  # this rank's words of it
+            out = {p: held[2][p] for p in wanted if p in held[2]}
         rest = [p for p in wanted if p not in out]  # chunks another rank wrote last time
         if rest:
             out.update(self.chain.materialize(prev.step, rest))

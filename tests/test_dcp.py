@@ -227,6 +227,29 @@ def test_a_single_process_save_and_bad_loads(tmp_path) -> None:
         tpde.dcp.load_full(str(tmp_path / "plain"), 0)
 
 
+
+def test_held_words_serve_only_the_save_that_made_them(tmp_path) -> None:
+    """``reference="host"`` (the default) codes a delta against this process's words of the
+    step before, which must be that very save: not a step of the same number in a run made
+    again at the same place (here by a save that holds nothing, ``reference="store"``)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    run = str(tmp_path / "run")
+    again = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    first = again.clone()
+    first[1000:1064] -= 1.0  # close enough that a delta against it would be taken
+    dcp.save({"w": first}, storage_writer=tpde.dcp.Writer(run, 0))
+    shutil.rmtree(run)
+    dcp.save({"w": again}, storage_writer=tpde.dcp.Writer(run, 0, reference="store"))
+    later = again.clone()
+    later[:64] += 1.0
+    dcp.save({"w": later}, storage_writer=tpde.dcp.Writer(run, 1))
+    assert Chain(run).manifest(1).record("w[0:4096]").codec != "key"  # a delta of step 0
+    assert torch.equal(tpde.dcp.load_full(run, 1)["w"], later)
+    assert tpde.Checkpointer(run).verify() == []
+
 HOLDER = """
 import sys, torch, tpde
 ck = tpde.Checkpointer(sys.argv[1])
