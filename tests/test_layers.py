@@ -85,6 +85,33 @@ def test_no_import_runs_upward(module: str) -> None:
     assert not upward, "\n".join(upward)
 
 
+def package_of(module: str) -> str:
+    """The folder a module lies in, as a package (``tpde.codec.elias``: ``tpde.codec``)."""
+    for names in LAYERS:
+        for name in sorted(names, key=len, reverse=True):
+            if name != "tpde" and (module == name or module.startswith(name + ".")):
+                return name
+    return "tpde"
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_no_private_name_is_imported_from_another_package(module: str) -> None:
+    """What a folder keeps to itself (a leading underscore) stays there: another layer's
+    code reaches it only through names it offers."""
+    path = modules()[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    private = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.startswith("tpde"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and \
+                        package_of(node.module) != package_of(package + ".x"):
+                    private.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
+                                   f"{a.name} from {node.module}")
+    assert not private, "\n".join(private)
+
+
 def test_the_check_sees_an_upward_import(tmp_path: pathlib.Path) -> None:
     """The walk over imports finds one inside a function, and a relative one."""
     path = tmp_path / "encoder.py"

@@ -83,7 +83,7 @@ def _native_kind(chain: Chain, step: int, name: str) -> bool:
     """Whether a record's lineage is one the native rebuild takes, read off the manifests:
     exact keyframes, dense and sparse deltas, the sparse ones' positions (int64) and values
     within ``SPARSE_BYTES``."""
-    lineage = [rec for _, rec in chain._lineage(name, step)]
+    lineage = [rec for _, rec in chain.lineage(name, step)]
     width = torch.empty(0, dtype=getattr(torch, lineage[-1].dtype)).element_size()
     sparse = sum(r.sections["values"].raw * (1 + 8 // width) for r in lineage
                  if r.codec == "sparse")
@@ -300,7 +300,7 @@ def test_a_lineage_of_large_sparse_deltas_is_left_to_the_python_path(tmp_path,
                 emb.weight[rows] += torch.randn(200, 64, generator=g) * 1e-3
             ckpt.save(step, emb.state_dict())
     chain = Chain(run)
-    assert [r.codec for _, r in chain._lineage("weight", 2)] == ["key", "sparse", "sparse"]
+    assert [r.codec for _, r in chain.lineage("weight", 2)] == ["key", "sparse", "sparse"]
     assert set(native.plan(chain, 2, ["weight"])) == {"weight"}
     monkeypatch.setattr(native, "SPARSE_BYTES", 1 << 10)
     assert native.plan(chain, 2, ["weight"]) == {}
@@ -324,7 +324,7 @@ def test_the_restore_path_counts_progress_and_reports_damage_as_the_python_path(
         chain.materialize(2, progress=seen.append, native=native_first)
         counts.append(sum(seen))
     assert counts[0] == counts[1] == sum(r.raw_bytes for name in ("a", "b")
-                                         for _, r in chain._lineage(name, 2))
+                                         for _, r in chain.lineage(name, 2))
     expected = chain.materialize(2, ["a", "b"], native=False)
     m = chain.manifest(2)
     flip_bit(run, m, m.record("a"))

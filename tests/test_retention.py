@@ -331,8 +331,8 @@ def test_a_rebuild_hands_over_the_earlier_steps_it_goes_through(tmp_path) -> Non
             words = chain.materialize(step, ["w", "frozen"], passing={"w": earlier, "frozen": 0},
                                       passed=passed)
             assert torch.equal(words["w"], chain.materialize(step, ["w"])["w"])
-            on_way = [at for at, _ in chain._lineage("w", earlier)]
-            through = on_way == [at for at, _ in chain._lineage("w", step)][: len(on_way)]
+            on_way = [at for at, _ in chain.lineage("w", earlier)]
+            through = on_way == [at for at, _ in chain.lineage("w", step)][: len(on_way)]
             seen[through] += 1
             if through:
                 assert torch.equal(passed["w"], chain.materialize(earlier, ["w"])["w"])

@@ -252,7 +252,7 @@ class ChainBase:
                                   run=self.url, step=wanted_by, tensor=name)
         return rec
 
-    def _lineage(self, name: str, step: int) -> list[tuple[int, Record]]:
+    def lineage(self, name: str, step: int) -> list[tuple[int, Record]]:
         """The records to decode, keyframe first, to rebuild ``name`` at ``step``."""
         out: list[tuple[int, Record]] = []
         at, rec = step, self._record(step, name, step)
@@ -266,7 +266,7 @@ class ChainBase:
     def reads(self, step: int) -> Reads:
         """What restoring ``step`` decodes (``tpde info`` prints it); raises as a restore would
         where a step on the way is missing or its manifest unreadable."""
-        lineages = [self._lineage(rec.name, step) for rec in self.manifest(step).records]
+        lineages = [self.lineage(rec.name, step) for rec in self.manifest(step).records]
         return Reads(sorted((found for lineage in lineages for found in lineage),
                             key=lambda found: found[0]),
                      max((len(lineage) - 1 for lineage in lineages), default=0))

@@ -164,7 +164,7 @@ def plan(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage
 
 
 def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
-    lineage = chain._lineage(name, step)
+    lineage = chain.lineage(name, step)
     last = lineage[-1][1]
     dt = dtypes.by_name(last.dtype)
     n = last.numel * dt.words_per_element

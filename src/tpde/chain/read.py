@@ -200,12 +200,12 @@ class Reader(ChainBase):
             wanted = list(target.records) if names is None else target.records_named(names)
             for rec in wanted:
                 try:
-                    lineage = self._lineage(rec.name, step)
+                    lineage = self.lineage(rec.name, step)
                 except TPDEError as exc:
                     fail(exc, step, rec.name)
                     continue
                 if rec.name in passing:
-                    on_way = self._lineage(rec.name, passing[rec.name])
+                    on_way = self.lineage(rec.name, passing[rec.name])
                     if lineage[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
                         taken[rec.name] = on_way[-1][0]
                 for i, (at, r) in enumerate(lineage):

@@ -141,7 +141,7 @@ class Retainer(Writer):
             yield (r, _sections(r, framed))
         held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
-            at, key = self._lineage(r.name, old.step)[0]
+            at, key = self.lineage(r.name, old.step)[0]
             held.setdefault(at, []).append((r, key))
         for at, pairs in held.items():
             for (r, key), framed in zip(pairs, self._fetch(self.manifest(at),
@@ -232,7 +232,7 @@ class Retainer(Writer):
         """The coding ``r`` was saved with, tried first against its new reference as a save
         tries the one its tensor was last coded with (``encoder.REVALIDATE``): a re-base coded
         each record every way otherwise."""
-        key = self._lineage(r.name, step)[0][1]
+        key = self.lineage(r.name, step)[0][1]
         if r.codec not in ("dense", "sparse") or key.codec != "key":
             return None
         words = r.numel * dtypes.by_name(r.dtype).words_per_element

@@ -171,7 +171,7 @@ class Mount:
         steps: dict[str, int] = {}
         for owned in self.units.values():
             for name in {n for *_, slot in owned for n in slot.records}:
-                for at, rec in self.chain._lineage(name, self.step):
+                for at, rec in self.chain.lineage(name, self.step):
                     if not rec.sections:
                         continue
                     blob = self.chain.manifest(at).blob_of(rec)
