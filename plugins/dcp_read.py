@@ -31,7 +31,16 @@ __all__ = ["Reader", "load_full"]
 class Reader(OnRun, StorageReader):
     """Load step ``step`` (None: the latest) of the run at ``run`` through DCP, into any world
     size and placement: DCP's planner asks for slices of saved chunks, which are rebuilt from
-    their records and hash-checked."""
+    their records and hash-checked.
+
+    Args:
+        run: the run's folder or URL, the same on every rank.
+        step: the step to load; None is the latest, resolved once for every rank.
+        storage_options: fsspec's options for the run's store.
+
+    Example:
+        >>> dcp.load(state, storage_reader=tpde.dcp.Reader("s3://bucket/run"))
+    """
 
     def __init__(self, run: str, step: int | None = None, *,
                  storage_options: dict[str, Any] | None = None) -> None:
@@ -155,7 +164,20 @@ class Reader(OnRun, StorageReader):
 def load_full(run: str, step: int | None = None, *,
               storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """A sharded step as one ordinary state dict in this process (what
-    ``dcp_to_torch_save`` builds from a DCP folder): every tensor whole, on the CPU."""
+    ``dcp_to_torch_save`` builds from a DCP folder): every tensor whole, on the CPU.
+
+    Args:
+        run: the run's folder or URL.
+        step: the step; None is the latest.
+        storage_options: fsspec's options for the run's store.
+
+    Returns:
+        The state dict, as one process would have saved it.
+
+    Example:
+        >>> state = tpde.dcp.load_full("s3://bucket/run")
+        >>> torch.save(state, "consolidated.pt")
+    """
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 

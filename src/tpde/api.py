@@ -60,7 +60,19 @@ def snapshot(state: Any, *, device: str | torch.device = "cpu") -> Snapshot:
     """Copy every tensor of ``state`` to ``device`` now; non-tensor values are serialised now.
 
     Shared storages are copied once and stay shared. From CUDA, copies to the host go through
-    pinned memory and synchronise once at the end.
+    pinned memory and synchronise once at the end. A ``Checkpointer`` saves a snapshot without
+    copying it again, so training may change ``state`` while the snapshot is saved elsewhere.
+
+    Args:
+        state: anything ``Checkpointer.save`` takes.
+        device: where the copies are kept.
+
+    Returns:
+        The snapshot, for ``Checkpointer.save``.
+
+    Example:
+        >>> snap = tpde.snapshot({"model": model.state_dict()})
+        >>> threading.Thread(target=ckpt.save, args=(step, snap)).start()
     """
     flat = tree.flatten(state)
     target = torch.device(device)
@@ -175,7 +187,21 @@ class Checkpointer:
 
     @collector_paused()
     def save(self, step: int, state: Any) -> StepInfo:
-        """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``)."""
+        """Commit ``state`` (anything you would pass to ``torch.save``, or a ``Snapshot``) as
+        ``step``: a step exists whole once this returns, or not at all.
+
+        Args:
+            step: a non-negative int above the run's committed steps.
+            state: the checkpoint.
+
+        Returns:
+            What the save wrote (``raw_bytes``, ``stored_bytes``, ``ratio``, ``codecs``) and
+            the run's bytes at rest.
+
+        Example:
+            >>> info = ckpt.save(100, {"model": model.state_dict(), "step": 100})
+            >>> print(info.ratio, info.codecs)
+        """
         owned = isinstance(state, Snapshot)
         flat = state.flat if owned else tree.flatten(state)
         self._say_untrusted(step, flat)
@@ -234,7 +260,17 @@ class Checkpointer:
              trusted: bool = False) -> Any:
         """The checkpoint at ``step`` (the latest when None); later saves are deltas against it.
 
-        ``trusted=True`` allows unpickling objects outside torch's weights-only allowlist.
+        Args:
+            step: the step; None is the latest.
+            map_location: as ``torch.load``'s.
+            trusted: unpickle objects outside torch's weights-only allowlist.
+
+        Returns:
+            The checkpoint, bit for bit as saved (within its bound, for an error-bounded step).
+
+        Example:
+            >>> state = ckpt.load(map_location="cpu")
+            >>> model.load_state_dict(state["model"])
         """
         if step is None:
             step = self.chain.latest()
@@ -272,7 +308,11 @@ class Checkpointer:
         less room for a re-base to write the largest step before it deletes), and when this
         writer closes or calls ``gc``. Steps removed in the meantime are re-based off in one
         go, and a step removed before anything kept had to be re-based off it costs no
-        re-base at all. The report is empty unless this call freed something."""
+        re-base at all. The report is empty unless this call freed something.
+
+        Example:
+            >>> ckpt.remove(100, 200)  # every other step still restores
+        """
         self._writing()
         for step in steps:
             self.chain.remove(step)

@@ -291,6 +291,21 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
     ``path`` is a checkpoint entry (what ``TPDECheckpointIO`` writes at each checkpoint path),
     a tpde run (then ``step``, default the latest), or a plain ``torch.save`` file. Loading never
     unpickles arbitrary objects unless ``trusted=True``.
+
+    Args:
+        path: an entry, a run or a plain checkpoint file (path or URL).
+        step: a run's step; None is the entry's step, or the run's latest.
+        blob: the blob an entry names its step by (checked against the step's).
+        map_location: as ``torch.load``'s.
+        storage_options: fsspec's options for the store.
+        trusted: unpickle stored Python objects that torch's weights-only loader refuses.
+
+    Returns:
+        The checkpoint, as ``torch.load`` of the plain file would give it.
+
+    Example:
+        >>> ckpt = tpde.load_checkpoint("ckpts/last.ckpt")
+        >>> model.load_state_dict(ckpt["state_dict"])
     """
     path = str(path)
     if step is None:

@@ -544,6 +544,26 @@ def mount(run: str, step: int | None = None,
     nvCOMP when the ``gpu`` extra is installed, the rest by Triton kernels), else on the CPU;
     ``"kernels"`` forces the kernels (on the CPU they need ``TRITON_INTERPRET=1`` and
     ``prefetch=0``, which is how they are tested without a GPU); ``"cpu"`` never uses them.
+
+    Args:
+        run: a chain, a Lightning checkpoint folder or one of its entries (path or URL).
+        step: the step to mount; None is the entry's step, or the latest.
+        model: the model, a factory of it, or one built on the meta device.
+        device: where the weights are decoded and used; None is the model's own.
+        budget: bytes of decoded weights kept between calls (None: all, 0: none).
+        prefetch: modules decoded ahead by a worker thread.
+        resident: ``"host"``, ``"store"`` or ``"auto"``: where the compressed bytes are read.
+        units: module types decoded whole, beside ``slots.UNITS``.
+        decoder: ``"auto"``, ``"kernels"`` or ``"cpu"``.
+        storage_options: fsspec's options for the run's store.
+
+    Returns:
+        ``model``, mounted; ``model.tpde_mount`` is its ``Mount``.
+
+    Example:
+        >>> model = tpde.mount("runs/exp1", model=MyModel(), budget=200 << 20)
+        >>> logits = model(batch)
+        >>> model.tpde_mount.close()
     """
     if model is None:
         raise TypeError("mount needs the model (or a factory) whose weights the chain holds")
