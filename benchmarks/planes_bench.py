@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "..", "src", "tpde", "_planes.c")
+SOURCE = os.path.join(HERE, "..", "src", "tpde", "codec", "_planes.c")
 SIZES = (1000, 65536, 8_000_000)  # fp32 words
 
 
