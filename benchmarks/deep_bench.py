@@ -55,7 +55,7 @@ def frames_of(chain: Chain, records: list[tuple[int, Record]]) -> list[memoryvie
         by_step.setdefault(at, []).append(rec)
     out: list[memoryview] = []
     for at, recs in by_step.items():
-        for framed in chain._fetch(chain.manifest(at), recs):
+        for framed in chain.fetch(chain.manifest(at), recs):
             for frames in framed.values():
                 out.extend(frames)
     return out

@@ -50,8 +50,8 @@ def main() -> None:
         delta = chain.manifest(1).record("w/0")
         assert key.codec == "key" and delta.codec == "dense", (key.codec, delta.codec)
         kv, dv = key.sections["values"], delta.sections["values"]
-        key_frames = chain._fetch(chain.manifest(0), [key])[0]["values"]
-        delta_frames = chain._fetch(chain.manifest(1), [delta])[0]["values"]
+        key_frames = chain.fetch(chain.manifest(0), [key])[0]["values"]
+        delta_frames = chain.fetch(chain.manifest(1), [delta])[0]["values"]
         n = kv.raw // 4
         faulted = torch.zeros(n, dtype=torch.int32)
 

@@ -32,14 +32,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from tpde.chain import DATA, PIECE_BYTES, PREVIOUS, Chain
-from tpde.chain.base import name as step_name
-from tpde.chain.options import SaveOptions
-from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
-from tpde.chain.write import put_sections
-from tpde.codec import dtypes, encoder, transform
+from tpde.chain import PREVIOUS, Chain, Held, RankPiece, RankSave, SaveOptions, Share, \
+    commit_shards
+from tpde.codec import encoder
 from tpde.errors import TPDEError, UnsupportedError
-from tpde.manifest import Manifest, Record, format_for, record_hash
 from tpde.plugins import dcp_metadata as layout
 from tpde.store.lease import Lease
 from tpde.store.store import Store
@@ -57,15 +53,6 @@ class _Plan:
 
     step: int
     reference: int | None
-
-
-@dataclasses.dataclass
-class _Stored:
-    """Where a rank put one item: its records, in the rank's blob."""
-
-    blob: str
-    size: int
-    records: list[Record]
 
 
 class OnRun:
@@ -92,7 +79,7 @@ class OnRun:
 
 
 #: ``reference="host"``: by (run, rank), the step a rank saved last, its blob, and its words.
-_HELD: dict[tuple[str, int], tuple[int, str, dict[str, torch.Tensor]]] = {}
+_HELD: dict[tuple[str, int], Held] = {}
 #: By (run, rank): each piece's delta coding as last chosen, tried first at the next save.
 _CHOICES: dict[tuple[str, int], dict[str, encoder.Choice]] = {}
 #: By run (however its URL is spelled): the writer lease this process's coordinator holds. A
@@ -155,7 +142,6 @@ class Writer(OnRun, StorageWriter):
                              "deltas_against out")
         self.lease_seconds, self.takeover = opts.lease_seconds, opts.takeover
         self.reference = opts.reference
-        self._keep: dict[str, torch.Tensor] | None = None
         if type(step) is not int or step < 0:
             raise TPDEError(f"step must be a non-negative int, got {step!r}", run=run)
         self.run, self.step = run, step
@@ -195,7 +181,7 @@ class Writer(OnRun, StorageWriter):
         lease = _LEASES.setdefault(_run_key(chain.store), Lease(chain.store, self.lease_seconds))
         lease.seconds = self.lease_seconds
         lease.acquire(takeover=self.takeover and not lease.held)
-        chain._make_room(self.step)
+        chain.make_room(self.step)
         earlier = [s for s in chain.steps() if s < self.step]
         shared = _Plan(self.step, earlier[-1] if earlier else None)
         return [dataclasses.replace(p, storage_data=shared) for p in plans]
@@ -204,44 +190,33 @@ class Writer(OnRun, StorageWriter):
         shared: _Plan = plan.storage_data
         fut: Future[list[WriteResult]] = Future()
         key = (self.chain.url, self.rank)
-        self._keep = {} if self.reference == "host" else None
-        results = self._write(plan.items, planner, shared)
-        if self._keep is not None:
+        host = self.reference == "host"
+        save = RankSave(self.chain, self.step, self.rank, shared.reference,
+                        settings=self.settings, keyframe_every=self.keyframe_every,
+                        max_inflight_bytes=self.max_inflight_bytes,
+                        held=_HELD.get(key) if host else None,
+                        choices=_CHOICES.setdefault(key, {}), keep=host)
+        results = self._write(plan.items, planner, save)
+        if save.kept is not None:
             # Kept for the next save, which uses it only if this very save, by its blob, is
             # its reference (a step the coordinator fails to commit never is, nor a step of
             # the same number in a run made again at the same place).
-            _HELD[key] = (self.step, self._blob, self._keep)
-        self._keep = None
+            _HELD[key] = Held(self.step, save.blob_name, save.kept)
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """On the coordinator, once every rank's blob is durable: commit the step."""
-        chain = self.chain
-        shards: dict[str, dict[str, Any]] = {}
-        records: list[Record] = []
+        shares: list[Share] = []
         storage: dict[tuple[str, tuple[int, ...] | None], list[str]] = {}
         for per_rank in results:
             for wr in per_rank:
-                stored: _Stored = wr.storage_data
-                if stored.blob not in shards:
-                    shards[stored.blob] = {"blob": stored.blob, "size": stored.size}
-                index = list(shards).index(stored.blob)
-                records += [dataclasses.replace(r, shard=index) for r in stored.records]
+                shares.append(wr.storage_data)
                 key = (wr.index.fqn, None if wr.index.offset is None else tuple(wr.index.offset))
-                storage[key] = [r.name for r in stored.records]
-        refs = {r.ref for r in records if r.ref is not None}
-        deepest = max((record_depth(chain.lazy(), r) for r in records), default=0)
-        m = Manifest(step=self.step, keyframe=not refs, depth=deepest,
-                     parent=max(refs) if refs else None, blob=None, blob_size=0,
-                     created=time.time(), seconds=time.perf_counter() - self._started,
-                     skeleton=layout.skeleton(metadata),
-                     records=records,
-                     format=format_for(records, sharded=True),
-                     shards=list(shards.values()),
-                     dcp=layout.to_json(metadata, storage, len(results)))
-        chain.mark_run()
-        chain.commit(m, new=True)
+                storage[key] = [r.name for r in wr.storage_data.records]
+        commit_shards(self.chain, self.step, shares, skeleton=layout.skeleton(metadata),
+                      layout=layout.to_json(metadata, storage, len(results)),
+                      started=self._started)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.run, save_id=uuid.uuid4().hex)
@@ -251,16 +226,11 @@ class Writer(OnRun, StorageWriter):
         return False  # a tpde run is named by the Writer, never by a checkpoint_id
 
     # ------------------------------------------------------------------ coding
-    def _write(self, items: list[WriteItem], planner: SavePlanner, shared: _Plan
+    def _write(self, items: list[WriteItem], planner: SavePlanner, save: RankSave
                ) -> list[WriteResult]:
-        chain = self.chain
-        blob = self._blob = \
-            f"{DATA}/{step_name(self.step)}-r{self.rank}-{uuid.uuid4().hex[:12]}.tpd"
-        writer = chain.store.open_write(blob)
-        prev = chain.manifest(shared.reference) if shared.reference is not None else None
-        most = max(1, self.max_inflight_bytes // 2)
-        per, follow = min(PIECE_BYTES, most), piece_starts(prev)
-        results: list[list[Record]] = [[] for _ in items]
+        blob = save.blob_name
+        writer = self.chain.store.open_write(blob)
+        results: list[list] = [[] for _ in items]
         # An item's data is taken from the planner only when its first piece is coded, and
         # let go after its last: a rank never stages its whole state (a GPU's, say) at once.
         held: dict[int, tuple[torch.Tensor, str]] = {}
@@ -268,20 +238,19 @@ class Writer(OnRun, StorageWriter):
             if item.type == WriteItemType.BYTE_IO:  # small, and its size is known only so
                 held[k] = (_as_tensor(item, planner.resolve_data(item)), "cpu")
         todo = [p for k, item in enumerate(items)
-                for p in _pieces(k, item, held[k][0] if k in held else None, per, follow, most)]
+                for p in _pieces(save, k, item, held[k][0] if k in held else None)]
         left = {k: sum(p.item == k for p in todo) for k in range(len(items))}
         try:
-            for batch in batches(todo, [p.nbytes for p in todo], per):
+            for batch in save.batches(todo):
                 for p in batch:
                     if p.item not in held:
                         data = planner.resolve_data(items[p.item])
                         held[p.item] = (_as_tensor(items[p.item], data), str(data.device))
                 words = [held[p.item][0].reshape(-1)[p.lo : p.hi] for p in batch]
-                refs = self._references(prev, [(p.name, w) for p, w in zip(batch, words)])
+                refs = save.references([(p.name, w) for p, w in zip(batch, words)])
                 for p, w in zip(batch, words):
-                    results[p.item].append(self._record(writer, prev, p.name, p.start, w,
-                                                        held[p.item][1],
-                                                        refs.pop(p.name, None)))
+                    results[p.item].append(save.record(writer, p.name, p.start, w,
+                                                       held[p.item][1], refs.pop(p.name, None)))
                     left[p.item] -= 1
                     if not left[p.item]:
                         del held[p.item]
@@ -295,50 +264,8 @@ class Writer(OnRun, StorageWriter):
             raise
         return [WriteResult(index=item.index,
                             size_in_bytes=sum(r.stored_bytes for r in recs),
-                            storage_data=_Stored(blob, writer.size, recs))
+                            storage_data=Share(blob, writer.size, recs))
                 for item, recs in zip(items, results)]
-
-    def _references(self, prev: Manifest | None, pieces: list[tuple[str, torch.Tensor]]
-                    ) -> dict[str, torch.Tensor]:
-        """The previous step's words of the pieces that are coded as deltas here."""
-        if prev is None:
-            return {}
-        usable = [piece for piece, t in pieces
-                  if (rec := prev.record(piece)) is not None and rec.numel == t.numel()
-                  and rec.dtype == dtypes.of_tensor(t, name=piece).name]
-        keyed = plan_keys(candidates(self.chain.lazy(), prev.step, usable), self.keyframe_every)
-        wanted = [p for p in usable if p not in keyed]
-        held = _HELD.get((self.chain.url, self.rank)) if self.reference == "host" else None
-        out = {}
-        if held is not None and held[0] == prev.step and \
-                any(s["blob"] == held[1] for s in prev.shards):  # this rank's words of it
-            out = {p: held[2][p] for p in wanted if p in held[2]}
-        rest = [p for p in wanted if p not in out]  # chunks another rank wrote last time
-        if rest:
-            out.update(self.chain.materialize(prev.step, rest))
-        return out
-
-    def _record(self, writer: Any, prev: Manifest | None, piece: str, start: int | None,
-                t: torch.Tensor, device: str, ref_words: torch.Tensor | None) -> Record:
-        dt = dtypes.of_tensor(t, name=piece)
-        words = transform.to_words(t, dt.word_dtype)
-        if words.is_cuda:
-            import tpde.kernels.nvcomp  # noqa: F401  (registers the GPU's compressor)
-        choices = _CHOICES.setdefault((self.chain.url, self.rank), {})
-        enc = encoder.encode(words, ref_words, dt.kind, self.settings, dtype=dt.name,
-                             choice=choices.pop(piece, None))
-        if enc.choice is not None:
-            choices[piece] = enc.choice
-        ref = None
-        if not enc.keyed and prev is not None:
-            before = prev.record(piece)
-            ref = before.ref if enc.codec == "same" and before.codec == "same" else prev.step
-        digest = (prev.record(piece).hash if enc.codec == "same" and prev is not None
-                  else record_hash(words.view(torch.uint8).numpy()))
-        if self._keep is not None:  # the next save's reference: a copy training cannot change
-            self._keep[piece] = words.clone()
-        return Record(piece, dt.name, t.numel(), device, enc.codec, digest, ref,
-                      enc.residual, enc.count, put_sections(writer, enc.sections), start)
 
 
 def _as_tensor(item: WriteItem, data: Any) -> torch.Tensor:
@@ -350,39 +277,16 @@ def _as_tensor(item: WriteItem, data: Any) -> torch.Tensor:
     return data.detach().to("cpu").contiguous()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    """One record a rank writes: elements ``lo:hi`` of item ``item`` (the chunk whole, or one
-    of its pieces, named ``<chunk>/<start>``)."""
-
-    item: int
-    name: str
-    start: int | None
-    lo: int
-    hi: int
-    itemsize: int
-
-    @property
-    def nbytes(self) -> int:
-        return (self.hi - self.lo) * self.itemsize
-
-
-def _pieces(k: int, item: WriteItem, data: torch.Tensor | None, per_bytes: int,
-            follow: dict[str, list[int]], most_bytes: int) -> list[_Piece]:
-    """The records of item ``k`` (``data``: a byte item's bytes, already taken), cut as
-    ``plan.cut`` says."""
+def _pieces(save: RankSave, k: int, item: WriteItem, data: torch.Tensor | None
+            ) -> list[RankPiece]:
+    """The records of item ``k`` (``data``: a byte item's bytes, already taken)."""
     if item.type == WriteItemType.BYTE_IO:
         assert data is not None
-        base, n, size = item.index.fqn, data.numel(), 1
-    else:
-        chunk = item.tensor_data.chunk
-        base = layout.chunk_name(item.index.fqn, chunk.offsets, chunk.sizes)
-        n = math.prod(chunk.sizes)
-        size = torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
-    parts, whole = cut(n, max(1, per_bytes // size), follow.get(base), most_bytes // size)
-    if whole:
-        return [_Piece(k, base, None, 0, n, size)]
-    return [_Piece(k, f"{base}/{lo}", lo, lo, hi, size) for lo, hi in parts]
+        return save.pieces(k, item.index.fqn, data.numel(), 1)
+    chunk = item.tensor_data.chunk
+    size = torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
+    return save.pieces(k, layout.chunk_name(item.index.fqn, chunk.offsets, chunk.sizes),
+                       math.prod(chunk.sizes), size)
 
 
 @contextlib.contextmanager

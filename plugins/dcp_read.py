@@ -18,8 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 
-from tpde.chain import DECODE_BATCH_BYTES, Chain
-from tpde.chain.plan import batches
+from tpde.chain import DECODE_BATCH_BYTES, Chain, batches
 from tpde.codec import dtypes
 from tpde.errors import FormatError, TPDEError, UnsupportedError
 from tpde.plugins import dcp_metadata as layout

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tpde.api import Checkpointer, Snapshot, StepInfo, snapshot
-from tpde.chain.options import SaveOptions
+from tpde.chain import SaveOptions
 from tpde.entries import checkpoint_folder
 from tpde.entries import entry as entries
 from tpde.errors import TPDEError

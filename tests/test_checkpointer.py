@@ -446,7 +446,7 @@ def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_
     """A step saved again (Lightning's ``last``) has its small pieces compared on the writing
     thread, without a task: its manifests are those of the same run saved with every piece
     coded on the encode threads."""
-    from tpde.chain import write
+    from tpde.chain import save as step_save
 
     runs = {}
     for told in (True, False):
@@ -455,8 +455,8 @@ def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_
                  "e": torch.randn(20000, 64, generator=g).bfloat16(), "i": torch.arange(100),
                  "n": 0}
         url = f"memory://tpde-told/{os.urandom(6).hex()}"
-        limit = write.UNCHANGED_BYTES
-        write.UNCHANGED_BYTES = limit if told else -1
+        limit = step_save.UNCHANGED_BYTES
+        step_save.UNCHANGED_BYTES = limit if told else -1
         try:
             ck = tpde.Checkpointer(url, keyframe_every=every,
                                    max_inflight_bytes=(2 << 20) if in_pieces else (256 << 20))
@@ -473,7 +473,7 @@ def test_pieces_told_unchanged_on_the_writing_thread_get_the_records_the_encode_
                 saved[step] = copy.deepcopy(state)
             ck.close()
         finally:
-            write.UNCHANGED_BYTES = limit
+            step_save.UNCHANGED_BYTES = limit
         reader = tpde.Checkpointer(url)
         for step, want in saved.items():
             assert_same(want, reader.load(step))

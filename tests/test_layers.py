@@ -120,3 +120,45 @@ def test_the_check_sees_an_upward_import(tmp_path: pathlib.Path) -> None:
     assert ("tpde.kernels.nvcomp", 2) in found and ("tpde.chain.plan", 4) in found
     assert layer_of("tpde.kernels.nvcomp") > layer_of("tpde.codec.encoder")
     assert layer_of("tpde.chain.plan") > layer_of("tpde.codec.encoder")
+
+
+def chain_imports(path: pathlib.Path) -> list[tuple[str, int]]:
+    """What ``path`` takes from the chain: a submodule it names (``tpde.chain.write``), or a
+    name it imports from ``tpde.chain``, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names
+                      if a.name.startswith("tpde.chain.")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("tpde.chain."):
+                found.append((node.module, node.lineno))
+            elif node.module == "tpde.chain":
+                found += [(a.name, node.lineno) for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules()
+                                          if layer_of(m) > layer_of("tpde.chain")))
+def test_front_ends_use_only_what_the_chain_offers(module: str) -> None:
+    """The API, entries, mounts, the CLI and the plugins reach the chain through the names in
+    ``tpde.chain.__all__`` alone, never one of its modules' insides (the DCP writer once
+    coded pieces with the chain writer's own functions)."""
+    import tpde.chain
+
+    path = modules()[module]
+    inside = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+              for name, line in chain_imports(path) if name not in tpde.chain.__all__]
+    assert not inside, "\n".join(inside)
+
+
+def test_the_check_sees_a_chain_internal(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "dcp.py"
+    path.write_text("from tpde.chain.write import put_sections\nfrom tpde.chain import Chain, "
+                    "plan\nimport tpde.chain.save\n")
+    import tpde.chain
+
+    found = chain_imports(path)
+    assert ("tpde.chain.write", 1) in found and ("tpde.chain.save", 3) in found
+    assert [n for n, _ in found if n not in tpde.chain.__all__] == [
+        "tpde.chain.write", "plan", "tpde.chain.save"]

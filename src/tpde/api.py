@@ -9,8 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from tpde.chain import Chain, GcReport, Problem, Reference
-from tpde.chain.options import SaveOptions
+from tpde.chain import Chain, GcReport, Problem, Reference, SaveOptions
 from tpde.codec import dtypes, transform
 from tpde.errors import UnsafeContentWarning
 from tpde.manifest import Manifest, collector_paused

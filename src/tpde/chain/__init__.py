@@ -11,11 +11,17 @@ Layout of a run folder::
 A step is written blob first, manifest last, so a crash leaves at most an unreferenced blob
 (deleted by ``gc``) and never a visible half step. The jobs live in their own modules:
 ``plan`` decides (pure functions of manifests), ``read``, ``write`` and ``retain`` carry the
-decisions out, and ``spans`` puts a rebuilt step's tensors together.
+decisions out (``save`` codes a step's pieces, ``ranks`` a rank's share of a sharded step), and
+``spans`` puts a rebuilt step's tensors together. Front ends and plugins use the names in
+``__all__`` alone (``tests/test_layers.py`` checks it).
 """
 
+from tpde.chain import native, sharded
 from tpde.chain.base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reads, Reference
-from tpde.chain.plan import DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest
+from tpde.chain.options import SaveOptions, whole
+from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest,
+                             batches)
+from tpde.chain.ranks import Held, RankPiece, RankSave, Share, commit_shards
 from tpde.chain.read import DECODE_BATCH_BYTES
 from tpde.chain.retain import Retainer
 from tpde.chain.spans import lossy_summary, span_places, span_words
@@ -27,5 +33,7 @@ class Chain(Retainer):
 
 
 __all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY",
-           "DELTAS_AGAINST", "GcReport", "KEYFRAME", "MARKER", "PIECE_BYTES", "PREVIOUS", "Problem",
-           "Reads", "REMOVED", "Reference", "STEPS", "lossy_summary", "span_places", "span_words"]
+           "DELTAS_AGAINST", "GcReport", "Held", "KEYFRAME", "MARKER", "PIECE_BYTES", "PREVIOUS",
+           "Problem", "RankPiece", "RankSave", "Reads", "REMOVED", "Reference", "STEPS",
+           "SaveOptions", "Share", "batches", "commit_shards", "lossy_summary", "native",
+           "sharded", "span_places", "span_words", "whole"]

@@ -271,7 +271,7 @@ class ChainBase:
                             key=lambda found: found[0]),
                      max((len(lineage) - 1 for lineage in lineages), default=0))
 
-    def _data_hash(self, rec: Record, step: int) -> str:
+    def data_hash(self, rec: Record, step: int) -> str:
         while rec.codec == "same":
             rec = self._record(rec.ref, rec.name, step)
         return rec.hash

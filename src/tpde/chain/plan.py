@@ -10,8 +10,9 @@ from __future__ import annotations
 import bisect
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
+from tpde.errors import TPDEError
 from tpde.manifest import Manifest, Record
 from tpde.state import tree
 
@@ -171,6 +172,135 @@ def plan_keys(candidates: Sequence[Candidate], keyframe_every: int) -> set[str]:
     """
     return {c.name for c in candidates if c.depth is None
             or c.depth + 1 >= keyframe_every - (phase(c.name, keyframe_every) if c.synced else 0)}
+
+
+# ---------------------------------------------------------------- a save
+@dataclass(frozen=True)
+class SavePlan:
+    """What a step stores and against what, decided before any tensor's words are read.
+
+    ``pieces`` are the records in the order they are written. ``reference`` is the step the
+    deltas are coded against (None: every record is a keyframe record). ``keyed`` names the
+    pieces re-keyed at this step (``plan_keys``); ``depths`` and ``sources`` give each piece's
+    deltas since its keyframe record and that record's step, as ``candidates`` found them.
+    """
+
+    step: int
+    pieces: tuple[Piece, ...]
+    reference: int | None
+    keyed: frozenset[str]
+    depths: Mapping[str, int | None]
+    sources: Mapping[str, int | None]
+    against: str = PREVIOUS
+
+    @property
+    def star(self) -> bool:
+        """Deltas are coded against each tensor's keyframe record (at most one deep)."""
+        return self.against == KEYFRAME
+
+    def source(self, name: str) -> int | None:
+        """The step whose words piece ``name`` is coded against (None: a keyframe record)."""
+        if name in self.keyed or self.reference is None:
+            return None
+        return self.sources[name] if self.star else self.reference
+
+    def depth_after(self, name: str, source: int | None, unchanged: bool) -> int:
+        """Deltas a restore decodes for piece ``name`` as saved here, coded against
+        ``source`` (None: a keyframe record); an unchanged record adds none."""
+        if source is None:
+            return 0
+        if self.star:
+            return 0 if unchanged else 1
+        return self.depths[name] + (not unchanged)
+
+    def stale(self, held_at: Mapping[str, int]) -> dict[int, list[str]]:
+        """Against keyframes: the pieces whose held keyframe words (``held_at``: their step,
+        by name) are of a keyframe record re-based away since, by the step of their keyframe
+        record now. Their words are read back from there before the save."""
+        out: dict[int, list[str]] = {}
+        if not self.star:
+            return out
+        for p in self.pieces:
+            at = self.sources.get(p.name)
+            if p.name not in self.keyed and at is not None and held_at.get(p.name) != at:
+                out.setdefault(at, []).append(p.name)
+        return out
+
+
+def plan_save(manifests: Mapping[int, Manifest], step: int, flat: tree.Flat,
+              reference: int | None, *, keyframe_every: int, piece_bytes: int, most_bytes: int,
+              against: str = PREVIOUS, since: Mapping[str, tuple[int, int]] | None = None
+              ) -> SavePlan:
+    """The plan of saving ``flat`` as ``step`` against the committed step ``reference``.
+
+    Spans are cut into pieces of at most ``piece_bytes``, or as the reference step cut them
+    (pieces of at most ``most_bytes``). Against keyframes, ``since`` gives each tensor's
+    deltas since its keyframe record where the writer kept count (``candidates``).
+    """
+    prev = manifests[reference] if reference is not None else None
+    todo = tuple(pieces(flat, piece_bytes, piece_starts(prev), most_bytes))
+    names = [p.name for p in todo]
+    found = candidates(manifests, reference, names, since=since if against == KEYFRAME
+                       else None) if reference is not None else [Candidate(n, None)
+                                                                 for n in names]
+    return SavePlan(step, todo, reference, frozenset(plan_keys(found, keyframe_every)),
+                    {c.name: c.depth for c in found}, {c.name: c.source for c in found},
+                    against)
+
+
+# ---------------------------------------------------------------- a rebuild
+Lineage = list[tuple[int, Record]]
+
+
+@dataclass(frozen=True)
+class RebuildPlan:
+    """What rebuilding a step's records decodes, step by step, before anything is read.
+
+    ``units`` are (step, batch) in step order, each batch's records with whether their
+    rebuilt words are hash-checked there. ``final`` gives, by tensor, the step whose record
+    gives its final words; ``taken`` the step after whose record a caller's earlier words
+    (``passing``) are taken; ``broken`` the tensors whose lineage cannot be followed, with why.
+    """
+
+    step: int
+    wanted: tuple[Record, ...]
+    units: tuple[tuple[int, tuple[tuple[Record, bool], ...]], ...]
+    final: Mapping[str, int]
+    taken: Mapping[str, int]
+    broken: tuple[tuple[str, TPDEError], ...] = ()
+
+
+def plan_rebuild(target: Manifest, wanted: Sequence[Record],
+                 lineage: Callable[[str, int], Lineage], *, batch_bytes: int,
+                 check: bool = True, check_every: bool = False,
+                 passing: Mapping[str, int] | None = None) -> RebuildPlan:
+    """The plan of rebuilding ``wanted`` (records of ``target``) from their lineages
+    (``lineage(name, step)``: the records to decode, keyframe first), in batches of about
+    ``batch_bytes`` of words per step. Words are checked where they are final (``check``),
+    or at every record on the way (``check_every``), and where ``passing`` (by tensor, an
+    earlier step a caller wants the words of too) is passed on the way."""
+    by_step: dict[int, list[tuple[Record, bool]]] = {}
+    final: dict[str, int] = {}
+    taken: dict[str, int] = {}
+    broken: list[tuple[str, TPDEError]] = []
+    passing = passing or {}
+    for rec in wanted:
+        try:
+            found = lineage(rec.name, target.step)
+        except TPDEError as exc:
+            broken.append((rec.name, exc))
+            continue
+        if rec.name in passing:
+            on_way = lineage(rec.name, passing[rec.name])
+            if found[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
+                taken[rec.name] = on_way[-1][0]
+        for i, (at, r) in enumerate(found):
+            by_step.setdefault(at, []).append(
+                (r, check_every or (check and i == len(found) - 1) or taken.get(rec.name) == at))
+        final[rec.name] = found[-1][0]
+    units = tuple((at, tuple(batch)) for at in sorted(by_step) for batch in batches(
+        by_step[at], [r.raw_bytes for r, _ in by_step[at]], batch_bytes))
+    return RebuildPlan(target.step, tuple(wanted), units, final, taken, tuple(broken))
 
 
 # ---------------------------------------------------------------- lineages

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from concurrent.futures import Future
-from functools import partial
-from typing import Any, Callable, ContextManager, Iterable, Iterator
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
 
 from tpde.chain import sharded
 from tpde.chain.base import ChainBase, Problem, Progress
-from tpde.chain.decode import (STREAMED, attempt, decompress, in_runs, pools, rebuild,
-                               rebuild_checked, runs_of, verified)
+from tpde.chain.decode import STREAMED
 from tpde.chain.native import restore as native_restore
-from tpde.chain.plan import batches
+from tpde.chain.plan import plan_rebuild
+from tpde.chain.rebuild import Rebuild
 from tpde.chain.spans import span_places, span_words, warn_lossy
-from tpde.codec import dtypes, elias, unframe
+from tpde.codec import dtypes, unframe
 from tpde.errors import CorruptionError, FormatError, TPDEError
 from tpde.manifest import Manifest, Record, collector_paused
-from tpde.runtime import heap
 from tpde.state import tree
 
 #: Words a rebuild reads and decompresses at once (``Chain.materialize``): as fast as larger
@@ -68,7 +64,7 @@ class _FramesOnDemand:
 class Reader(ChainBase):
     """Rebuilding steps (the decode path of every front end)."""
 
-    def _fetch(self, m: Manifest, recs: list[Record], *, streamed: bool = False
+    def fetch(self, m: Manifest, recs: list[Record], *, streamed: bool = False
                ) -> list[dict[str, Any]]:
         """The frames of ``recs``' sections: one GET of a blob, or range reads for a few.
         With ``streamed`` the values of keyframe and dense records are read frame by frame
@@ -180,204 +176,29 @@ class Reader(ChainBase):
                      on: torch.device | None, batch_bytes: int, look_ahead: bool,
                      into: dict[str, torch.Tensor], passing: dict[str, int],
                      passed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``materialize``, once."""
+        """``materialize``, once: planned, then carried out."""
         target = self.manifest(step)
-        plan: dict[int, list[tuple[Record, bool]]] = defaultdict(list)
-        final: dict[str, int] = {}  # the step whose record gives each name its final words
-        taken: dict[str, int] = {}  # the step after whose record ``passing``'s words are taken
-        passed.clear()  # of an attempt that found the run rewritten
-        failed: set[str] = set()
-
-        def fail(exc: TPDEError, at: int, name: str) -> None:
-            exc = exc.located(run=self.url, step=at, tensor=name)
-            if problems is None:
-                raise exc
-            problems.append(Problem.of(exc, at, name))
-            failed.add(name)
-
-        # Builds the step's records and those its lineages go through (``Records``).
-        with collector_paused():
+        with collector_paused():  # builds the records its lineages go through
             wanted = list(target.records) if names is None else target.records_named(names)
-            for rec in wanted:
-                try:
-                    lineage = self.lineage(rec.name, step)
-                except TPDEError as exc:
-                    fail(exc, step, rec.name)
-                    continue
-                if rec.name in passing:
-                    on_way = self.lineage(rec.name, passing[rec.name])
-                    if lineage[: len(on_way)] == on_way:  # rebuilt on the way to ``step``
-                        taken[rec.name] = on_way[-1][0]
-                for i, (at, r) in enumerate(lineage):
-                    plan[at].append((r, check_every or (check and i == len(lineage) - 1)
-                                     or taken.get(rec.name) == at))
-                final[rec.name] = lineage[-1][0]
-        current: dict[str, torch.Tensor] = {}
-        # (step, batch) in step order; each is prepared while the one before is rebuilt.
-        units = [(at, batch) for at in sorted(plan)
-                 for batch in batches(plan[at], [r.raw_bytes for r, _ in plan[at]], batch_bytes)]
-        backend = None
-        if on is not None:
-            from tpde.kernels.backend import Kernels
+            plan = plan_rebuild(target, wanted, self.lineage, batch_bytes=batch_bytes,
+                                check=check, check_every=check_every, passing=passing)
+        return Rebuild(self, plan, problems=problems, check=check, check_every=check_every,
+                       progress=progress, on=on, look_ahead=look_ahead, into=into,
+                       passed=passed).run()
 
-            backend = Kernels(on)
+    def stored_words(self, step: int, name: str) -> torch.Tensor | None:
+        """One record's words at ``step``, read back from the store (None: it has none)."""
+        if self.manifest(step).record(name) is None:
+            return None
+        return self.materialize(step, [name])[name]
 
-        def prepare(unit: tuple[int, list[tuple[Record, bool]]]
-                    ) -> tuple[list[tuple[Record, bool]], list[Any], list[Any]] | TPDEError:
-            """Fetch, decompress and decode positions of one batch of a step: nothing here
-            needs the previous step's words, so it runs one batch ahead of the rebuild."""
-            at, batch = unit
-            todo = [(r, checked) for r, checked in batch if r.name not in failed]
-            try:
-                fetched = self._fetch(self.manifest(at), [r for r, _ in todo], streamed=stream)
-            except TPDEError as exc:
-                return exc
-            recs = [r for r, _ in todo]
-            on_gpu = backend is not None and backend.nvcomp
-            mode = "gpu" if on_gpu else "host" if backend is not None else \
-                "stream" if stream else "fused"
-            sections = in_runs(spread, attempt(decompress),
-                                [(r, f, mode) for r, f in zip(recs, fetched)],
-                                [r.raw_bytes for r in recs])
-            if on_gpu:
-                backend.add_values(sections, [
-                    (f["values"], r.sections["values"].raw, r.sections["values"].chunk)
-                    if "values" in r.sections else None for r, f in zip(recs, fetched)])
-            if backend is not None:  # positions are decoded on the device
-                return todo, sections, [None] * len(todo)
-            return todo, sections, self._positions(recs, sections)
-
-        pool, ahead = pools()
-        # Without look-ahead memory comes first: values streamed frame by frame, and records
-        # rebuilt on this thread (each decode thread's malloc arena would keep what it freed,
-        # several times a small module's size); only a large record's slices are shared out
-        # over the frame threads (``unframe.by_slices``).
-        stream = not look_ahead and backend is None
-        spread = pool.map if look_ahead else map
-        # With look-ahead, words that nothing rebuilds further are hashed on the prefetch
-        # threads while the next records are rebuilt, a task per batch: otherwise a piece's
-        # hash is time the other core has nothing to do beside.
-        checks: list[tuple[int, list[Record], Future]] = []
-
-        def later(r: Record, at: int) -> bool:
-            return look_ahead and final[r.name] == at and taken.get(r.name) != at
-
-        def refused(r: Record, checked: bool, exc: TPDEError, at: int) -> None:
-            if checked and not check_every and isinstance(exc, CorruptionError) \
-                    and not isinstance(exc, FormatError):
-                exc, at = self._trace(r.name, step, exc, at)
-            fail(exc, at, r.name)
-
-        def finish(at: int, batch: list[tuple[Record, bool]], jobs: list[tuple],
-                   rebuilt: Iterable[Any]) -> None:
-            """Take one batch's rebuilt words (waiting for them), and queue their checks."""
-            finals: list[tuple[Record, torch.Tensor]] = []
-            for (r, checked, *_), done in zip(jobs, rebuilt):
-                if isinstance(done, TPDEError):
-                    refused(r, checked, done, at)
-                    continue
-                current[r.name] = done
-                if backend is None and checked and later(r, at):
-                    finals.append((r, done))
-                if taken.get(r.name) == at and r.name not in passed:  # rebuilt on a device
-                    passed[r.name] = done.clone()
-                if progress:
-                    progress(r.raw_bytes)
-            if finals:
-                checks.append((at, [r for r, _ in finals], ahead.submit(
-                    lambda fs: [attempt(verified)(r, True, w) for r, w in fs], finals)))
-            if not look_ahead:
-                heap.freed(sum(r.raw_bytes for r, _ in batch))
-
-        # With look-ahead on the host, a batch's records are handed to the decode threads
-        # before the batch before is done, unless it rebuilds one of the same tensors: the
-        # threads that finish one batch start on the next instead of waiting for the other's
-        # last frames. Its sections are prepared once that batch is done, so that two batches
-        # are held, as before.
-        overlap = look_ahead and backend is None
-        running: tuple[Callable[[], None], set[str]] | None = None  # its finish, its tensors
-        upcoming = ahead.submit(prepare, units[0]) if len(units) > 1 and look_ahead else None
-        for k, (at, batch) in enumerate(units):
-            prepared = upcoming.result() if upcoming is not None else prepare(units[k])
-            upcoming = None
-            names = {r.name for r, _ in batch}
-            if running is not None and running[1] & names:
-                running[0]()
-                running = None
-            if isinstance(prepared, TPDEError):
-                for r, _ in batch:
-                    if r.name not in failed:
-                        fail(prepared, at, r.name)
-                jobs: list[tuple] = []
-                rebuilt: Iterable[Any] = []
-            else:
-                jobs = [(r, checked, secs, current.get(r.name), pos, backend)
-                        for (r, checked), secs, pos in zip(*prepared) if r.name not in failed]
-                if backend is None:  # on the decode threads at once (a pool's map)
-                    rebuilt = runs_of(spread, attempt(partial(
-                        rebuild_checked, at=at, final=final, into=into, taken=taken,
-                        passed=passed, later=later)), [(job,) for job in jobs],
-                        [j[0].raw_bytes for j in jobs])
-                else:
-                    # Kernels are launched from this thread, one record after another (the
-                    # device runs them in order either way); the hashes are computed in the pool.
-                    words = [attempt(rebuild)(job) for job in jobs]
-                    backend.done([w for w in words if isinstance(w, torch.Tensor)])
-                    rebuilt = pool.map(attempt(verified), [j[0] for j in jobs],
-                                       [j[1] for j in jobs], words)
-            del prepared
-            if running is not None:
-                running[0]()
-            running = (partial(finish, at, batch, jobs, rebuilt), names)
-            del jobs, rebuilt  # held by ``running`` alone, and let go once it is finished
-            if not overlap:
-                running[0]()
-                running = None
-            if look_ahead and k + 1 < len(units):
-                upcoming = ahead.submit(prepare, units[k + 1])
-        if running is not None:
-            running[0]()
-        for at, recs, done in checks:
-            for r, found in zip(recs, done.result()):
-                if isinstance(found, TPDEError):
-                    refused(r, True, found, at)
-        result = {}
-        for rec in wanted:
-            if rec.name in failed:
-                continue
-            if check and rec.hash != self._data_hash(rec, step):
-                fail(CorruptionError("record's hash differs from the data it points to"),
-                     step, rec.name)
-                continue
-            result[rec.name] = current[rec.name]
-        return result
-
-    def _trace(self, name: str, step: int, exc: TPDEError, at: int) -> tuple[TPDEError, int]:
+    def trace(self, name: str, step: int, exc: TPDEError, at: int) -> tuple[TPDEError, int]:
         """Find the first damaged step of ``name``'s lineage by checking every delta's hash."""
         found: list[Problem] = []
         self.materialize(step, [name], problems=found, check_every=True)
         if found:
             return found[0].error or exc, found[0].step
         return exc, at
-
-    @staticmethod
-    def _positions(recs: list[Record], sections: list[Any]) -> list[Any]:
-        """Decode the step's sparse position streams in one batch (None where not sparse).
-
-        If the batch fails, every record decodes its own stream so the error names its tensor.
-        """
-        sparse = [i for i, (r, secs) in enumerate(zip(recs, sections))
-                  if r.codec == "sparse" and isinstance(secs, dict) and "positions" in secs]
-        out: list[Any] = [None] * len(recs)
-        try:
-            decoded = elias.decode_many(
-                [sections[i]["positions"] for i in sparse],
-                [recs[i].numel * dtypes.by_name(recs[i].dtype).words_per_element for i in sparse])
-        except FormatError:
-            return out
-        for i, pos in zip(sparse, decoded):
-            out[i] = pos
-        return out
 
     @collector_paused()
     def load(self, step: int, *, map_location: tree.MapLocation = None, trusted: bool = False,

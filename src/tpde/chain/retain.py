@@ -23,7 +23,8 @@ from tpde.chain.base import (DATA, REMOVED, STEPS, GcReport, Problem, Progress, 
 from tpde.chain.decode import TASK_BYTES, decompress, in_runs, pools
 from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth,
                              holder, plan_rebase, readers_of, record_depth)
-from tpde.chain.write import Writer, put_sections
+from tpde.chain.save import put_sections
+from tpde.chain.write import Writer
 from tpde.codec import decoder, dtypes, encoder, frames
 from tpde.errors import StepNotFoundError, TPDEError
 from tpde.manifest import Manifest, Record, collector_paused, format_for, hash_matches
@@ -137,14 +138,14 @@ class Retainer(Writer):
                 if (r.name not in plan or plan[r.name].how == "repoint") and r.sections]
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
         recode = [r for r in batch if r.name in plan and plan[r.name].how == "recode"]
-        for r, framed in zip(keep, self._fetch(old, keep)):
+        for r, framed in zip(keep, self.fetch(old, keep)):
             yield (r, _sections(r, framed))
         held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
             at, key = self.lineage(r.name, old.step)[0]
             held.setdefault(at, []).append((r, key))
         for at, pairs in held.items():
-            for (r, key), framed in zip(pairs, self._fetch(self.manifest(at),
+            for (r, key), framed in zip(pairs, self.fetch(self.manifest(at),
                                                            [k for _, k in pairs])):
                 yield (dataclasses.replace(r, codec=key.codec, ref=None,
                                            residual=key.residual, count=key.count,
@@ -223,7 +224,7 @@ class Retainer(Writer):
                 below = held_at.record(r.name) if held_at is not None else None
                 if below is not None and holder(h.ref, below) == step:
                     undo.append((r, h, words))
-        fetched = self._fetch(m, [h for _, h, _ in undo])
+        fetched = self.fetch(m, [h for _, h, _ in undo])
         jobs += [(*job, framed) for job, framed in zip(undo, fetched)]
         got = in_runs(pools()[0].map, _taken_back, jobs, [r.raw_bytes for r, *_ in jobs])
         return {r.name: words for (r, *_), words in zip(jobs, got) if words is not None}

@@ -24,8 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from tpde.chain import Chain, native, sharded, span_words
-from tpde.chain.options import whole
+from tpde.chain import Chain, native, sharded, span_words, whole
 from tpde.entries import entry as entries
 from tpde.errors import CorruptionError, TPDEError
 from tpde.mounting import slots

@@ -14,8 +14,7 @@ from typing import Callable
 
 import torch
 
-from tpde.chain import Chain, span_places
-from tpde.chain import sharded
+from tpde.chain import Chain, sharded, span_places
 from tpde.codec import dtypes
 from tpde.errors import TPDEError
 from tpde.manifest import Manifest
