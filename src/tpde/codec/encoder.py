@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -373,6 +373,139 @@ def _changes(new: torch.Tensor, ref: torch.Tensor, rows: list[np.ndarray] | None
     return count, where if 0 < count <= n // 2 else None
 
 
+class _Options:
+    """The codings weighed for one tensor's delta, each built (compressed) at most once: the
+    keyframe, a dense residual of each kind, and the sparse XOR of the changed words."""
+
+    def __init__(self, new: torch.Tensor, ref: torch.Tensor, kind: str, s: Settings,
+                 rows: Any, count: int, where: Callable[..., torch.Tensor] | None) -> None:
+        self.new, self.ref, self.kind, self.s, self.rows = new, ref, kind, s, rows
+        self.count, self.where, self.n = count, where, new.numel()
+        self.options: list[tuple[str, str | None]] = [("key", None)]
+        self.options += [("dense", how) for how in residual_kinds(kind)]
+        if where is not None:
+            self.options.append(("sparse", "xor"))
+        # The changed words' positions: searched once, when first asked for, or found with
+        # the values of a full sparse coding (its XOR residual's planes, made in one pass).
+        self.found: list[torch.Tensor] = []
+        self.built: dict[tuple[str, str | None], frames.Section] = {}
+        self.coded_positions: frames.Section | None = None  # coded already, in full
+        self.sizes: dict[tuple[str, str | None], float] = {}
+
+    def positions(self) -> torch.Tensor:
+        if not self.found:
+            assert self.where is not None  # asked for only where a sparse coding is an option
+            self.found.append(self.where())
+        return self.found[0]
+
+    def build(self, option: tuple[str, str | None],
+              sample: tuple[list[int], int] | None = None) -> frames.Section:
+        """An option compressed: the words of every element, or of the changed ones (sparse);
+        of the sample's windows only, when given. Host residuals are split into planes as they
+        are compressed (``frames.compress_planes``), never made whole."""
+        name, how = option
+        new, ref, s, rows = self.new, self.ref, self.s, self.rows
+        if name == "sparse" and sample is None and rows and not self.found:
+            assert self.where is not None
+            planes = np.empty(self.count * new.element_size(), dtype=np.uint8)
+            self.found.append(self.where(planes))
+            return frames.compress(planes, level=s.level, chunk=plane_chunk(self.count, s.chunk),
+                                   threads=s.threads)
+        if name == "sparse":
+            at = self.positions() if sample is None else _windows(self.positions(), sample)
+            a, b, how = _gather(new, at), _gather(ref, at), "xor"
+        else:
+            a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
+        whole = sample is None and name != "sparse"  # new and ref themselves
+        if name == "key":
+            return _compress(a, s, rows=rows[0] if whole and rows else None)
+        ab = rows if whole else native_rows(a, b)
+        if ab:
+            return _compress(a, s, against=ab[1], mode=residual_mode(how, self.kind), rows=ab[0])
+        return _compress(residual(a, b, how, self.kind), s)
+
+    def whole(self, option: tuple[str, str | None]) -> frames.Section:
+        """An option built in full (kept, should it win)."""
+        if option not in self.built:
+            self.built[option] = self.build(option)
+        return self.built[option]
+
+    def coded(self, option: tuple[str, str | None], values: frames.Section) -> Encoding:
+        enc = Encoding(option[0], option[1], self.count if option[0] != "key" else 0,
+                       {"values": values})
+        if option[0] == "sparse":
+            if self.coded_positions is None:
+                self.coded_positions = _positions(self.positions(), self.s)
+            enc.sections["positions"] = self.coded_positions
+        return enc
+
+    def position_bytes(self) -> float:
+        if self.coded_positions is not None:
+            return self.coded_positions.stored
+        return elias.encoded_bits(self.positions().cpu().numpy()) / 8 \
+            + 16 * (self.count // self.s.block + 1)
+
+    def reuse(self, choice: Choice | None) -> Encoding | None:
+        """The coding chosen at the tensor's last save, where the share of changed words has
+        not drifted and its bytes still hold: nothing else is weighed."""
+        if choice is None or choice.uses >= REVALIDATE or choice.option not in self.options:
+            return None
+        share = self.count / self.n
+        if not (share <= choice.changed * DRIFT if choice.option[0] == "sparse"
+                else share >= choice.changed / DRIFT):
+            return None
+        enc = self.coded(choice.option, self.whole(choice.option))
+        if enc.stored <= DRIFT * choice.per_word * self.n \
+                and enc.stored < self.s.key_margin * choice.key_per_word * self.n:
+            enc.choice = dataclasses.replace(choice, uses=choice.uses + 1)
+            return enc
+        return None
+
+    def weigh(self) -> None:
+        """Every option's stored bytes: in full where the tensor is small, else estimated
+        from samples of its words."""
+        sizes = self.sizes
+        exact = self.n * self.new.element_size() <= EXACT_CHOICE_BYTES
+        for option in self.options:
+            if option not in self.built:
+                length = self.count if option[0] == "sparse" else self.n
+                sample = None if exact else _sample_starts(length)
+                coded_as = self.build(option, sample)
+                if sample is None:  # the whole of it: kept, should it win
+                    self.built[option] = coded_as
+                else:
+                    sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
+            if option in self.built:
+                sizes[option] = self.built[option].stored
+            # The positions are sized only where the values alone would beat every dense one.
+            if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
+                                                              if o[0] == "dense"):
+                sizes[option] += self.position_bytes()
+
+    def best(self) -> tuple[str, str | None]:
+        """The smallest option as weighed, a close call between sparse and dense settled by
+        coding both in full, and the keyframe unless a delta beats it by the key margin."""
+        sizes = self.sizes
+        ranked = sorted((o for o in sizes if o[0] != "key"), key=sizes.__getitem__)
+        best = ranked[0]
+        if len(ranked) > 1 and ("sparse", "xor") in ranked[:2] \
+                and sizes[ranked[1]] <= CLOSE_CALL * sizes[best] \
+                and self.n * self.new.element_size() <= CLOSE_CALL_BYTES:
+            # Too close to call on the Elias estimate (its block headers make it high) or on
+            # samples: both are coded in full, positions too, and the smaller kept. (Between
+            # dense residuals samples rank well enough: settling those too slowed fp32 saves
+            # markedly for next to no bytes.)
+            for option in ranked[:2]:
+                sizes[option] = self.whole(option).stored
+                if option[0] == "sparse":
+                    sizes[option] += self.coded(option, self.whole(option)) \
+                        .sections["positions"].stored
+            best = min(ranked[:2], key=sizes.__getitem__)
+        if sizes[best] >= self.s.key_margin * sizes[("key", None)]:
+            best = ("key", None)
+        return best
+
+
 def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Settings,
                   choice: Choice | None) -> Encoding:
     if ref is None or ref.shape != new.shape or ref.dtype != new.dtype:
@@ -385,114 +518,17 @@ def _encode_exact(new: torch.Tensor, ref: torch.Tensor | None, kind: str, s: Set
     count, where = _changes(new, ref, rows)
     if count == 0:
         return Encoding("same", choice=choice)
-
-    n = new.numel()
-    options: list[tuple[str, str | None]] = [("key", None)]
-    options += [("dense", how) for how in residual_kinds(kind)]
-    if where is not None:
-        options.append(("sparse", "xor"))
-    # The changed words' positions: searched once, when first asked for, or found with the
-    # values of a full sparse coding (its XOR residual's planes, made in the same pass).
-    found: list[torch.Tensor] = []
-
-    def positions() -> torch.Tensor:
-        if not found:
-            assert where is not None  # asked for only where a sparse coding is an option
-            found.append(where())
-        return found[0]
-
-    def build(option: tuple[str, str | None],
-              sample: tuple[list[int], int] | None = None) -> frames.Section:
-        """An option compressed: the words of every element, or of the changed ones (sparse);
-        of the sample's windows only, when given. Host residuals are split into planes as they
-        are compressed (``frames.compress_planes``), never made whole."""
-        name, how = option
-        if name == "sparse" and sample is None and rows and not found:
-            assert where is not None
-            planes = np.empty(count * new.element_size(), dtype=np.uint8)
-            found.append(where(planes))
-            return frames.compress(planes, level=s.level, chunk=plane_chunk(count, s.chunk),
-                                   threads=s.threads)
-        if name == "sparse":
-            at = positions() if sample is None else _windows(positions(), sample)
-            a, b, how = _gather(new, at), _gather(ref, at), "xor"
-        else:
-            a, b = (new, ref) if sample is None else (_windows(new, sample), _windows(ref, sample))
-        whole = sample is None and name != "sparse"  # new and ref themselves
-        if name == "key":
-            return _compress(a, s, rows=rows[0] if whole and rows else None)
-        ab = rows if whole else native_rows(a, b)
-        if ab:
-            return _compress(a, s, against=ab[1], mode=residual_mode(how, kind), rows=ab[0])
-        return _compress(residual(a, b, how, kind), s)
-
-    built: dict[tuple[str, str | None], frames.Section] = {}
-    coded_positions: frames.Section | None = None  # coded already, in full
-
-    def coded(option: tuple[str, str | None], values: frames.Section) -> Encoding:
-        nonlocal coded_positions
-        enc = Encoding(option[0], option[1], count if option[0] != "key" else 0,
-                       {"values": values})
-        if option[0] == "sparse":
-            if coded_positions is None:
-                coded_positions = _positions(positions(), s)
-            enc.sections["positions"] = coded_positions
+    options = _Options(new, ref, kind, s, rows, count, where)
+    enc = options.reuse(choice)
+    if enc is not None:
         return enc
-
-    if choice is not None and choice.uses < REVALIDATE and choice.option in options \
-            and (count / n <= choice.changed * DRIFT if choice.option[0] == "sparse"
-                 else count / n >= choice.changed / DRIFT):
-        built[choice.option] = values = build(choice.option)
-        enc = coded(choice.option, values)
-        if enc.stored <= DRIFT * choice.per_word * n \
-                and enc.stored < s.key_margin * choice.key_per_word * n:
-            enc.choice = dataclasses.replace(choice, uses=choice.uses + 1)
-            return enc
-
-    def position_bytes() -> float:
-        if coded_positions is not None:
-            return coded_positions.stored
-        return elias.encoded_bits(positions().cpu().numpy()) / 8 + 16 * (count // s.block + 1)
-
-    sizes: dict[tuple[str, str | None], float] = {}
-    exact = n * new.element_size() <= EXACT_CHOICE_BYTES
-    for option in options:
-        if option not in built:
-            length = count if option[0] == "sparse" else n
-            sample = None if exact else _sample_starts(length)
-            coded_as = build(option, sample)
-            if sample is None:  # the whole of it: kept, should it win
-                built[option] = coded_as
-            else:
-                sizes[option] = coded_as.stored * length / (SAMPLE_WINDOWS * sample[1])
-        if option in built:
-            sizes[option] = built[option].stored
-        # The positions are sized only where the values alone would beat every dense option.
-        if option[0] == "sparse" and sizes[option] < min(sizes[o] for o in sizes
-                                                          if o[0] == "dense"):
-            sizes[option] += position_bytes()
-
-    ranked = sorted((o for o in sizes if o[0] != "key"), key=sizes.__getitem__)
-    best = ranked[0]
-    if len(ranked) > 1 and ("sparse", "xor") in ranked[:2] \
-            and sizes[ranked[1]] <= CLOSE_CALL * sizes[best] \
-            and n * new.element_size() <= CLOSE_CALL_BYTES:
-        # Sparse against dense, too close to call on the Elias estimate (its block headers
-        # make it high) or on samples: both are coded in full, positions too, and the
-        # smaller kept. (Between dense residuals samples rank well enough: settling those
-        # too slowed fp32 saves markedly for next to no bytes.)
-        for option in ranked[:2]:
-            built[option] = whole = built.get(option) or build(option)
-            sizes[option] = whole.stored
-            if option[0] == "sparse":
-                sizes[option] += coded(option, whole).sections["positions"].stored
-        best = min(ranked[:2], key=sizes.__getitem__)
-    if sizes[best] >= s.key_margin * sizes[("key", None)]:
-        best = ("key", None)
+    options.weigh()
+    best = options.best()
     if best[0] != "sparse":
-        found.clear()  # not needed any more: freed, with any mask, before the full encode
-        where = None
-    enc = coded(best, built.get(best) or build(best))
+        options.found.clear()  # not needed any more: freed, with any mask, before the full encode
+        options.where = None
+    enc = options.coded(best, options.built.get(best) or options.build(best))
     if best[0] != "key":
-        enc.choice = Choice(best, enc.stored / n, sizes[("key", None)] / n, count / n)
+        enc.choice = Choice(best, enc.stored / options.n, options.sizes[("key", None)]
+                            / options.n, count / options.n)
     return enc
