@@ -38,7 +38,6 @@ from tpde.codec import encoder
 from tpde.errors import TPDEError, UnsupportedError
 from tpde.plugins import dcp_metadata as layout
 from tpde.store.lease import Lease
-from tpde.store.store import Store
 
 __all__ = ["Writer"]
 
@@ -88,14 +87,10 @@ _CHOICES: dict[tuple[str, int], dict[str, encoder.Choice]] = {}
 _LEASES: dict[str, Lease] = {}
 
 
-def _run_key(store: Store) -> str:
-    return store.fs.unstrip_protocol(store.root)
-
-
 def hold(lease: Lease) -> None:
     """Make ``lease`` (a ``Checkpointer``'s, held on its run) the one this process's Writers
     renew, so that a job saving both ways is one writer."""
-    _LEASES[_run_key(lease.store)] = lease
+    _LEASES[lease.store.location] = lease
 
 
 @atexit.register
@@ -178,7 +173,7 @@ class Writer(OnRun, StorageWriter):
         the reference every rank codes against (the newest visible step before this one)."""
         self._started = time.perf_counter()
         chain = self.chain
-        lease = _LEASES.setdefault(_run_key(chain.store), Lease(chain.store, self.lease_seconds))
+        lease = _LEASES.setdefault(chain.store.location, Lease(chain.store, self.lease_seconds))
         lease.seconds = self.lease_seconds
         lease.acquire(takeover=self.takeover and not lease.held)
         chain.make_room(self.step)

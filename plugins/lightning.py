@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +27,9 @@ from tpde.chain import SaveOptions
 from tpde.entries import checkpoint_folder
 from tpde.entries import entry as entries
 from tpde.errors import TPDEError
-from tpde.plugins import trainer_state, writers
+from tpde.plugins import pending, trainer_state, writers
 from tpde.plugins.worker import Job, Worker
 from tpde.runtime import frame_threads
-from tpde.store.store import Store
 
 log = logging.getLogger("tpde.lightning")
 
@@ -60,19 +58,6 @@ class SaveReport:
     @property
     def ratio(self) -> float:
         return self.raw_bytes / max(1, self.stored_bytes)
-
-
-def _local(path: str) -> bool:
-    return "://" not in path or path.startswith("file://")
-
-
-def _split(path: str) -> tuple[str, str]:
-    """(folder, name) of a checkpoint path; local folders absolute."""
-    if _local(path):
-        path = os.path.abspath(path.removeprefix("file://"))
-        return os.path.dirname(path), os.path.basename(path)
-    head, _, name = path.rpartition("/")
-    return head, name
 
 
 class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
@@ -172,7 +157,8 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             if self.bounds is not None and isinstance(snap, Snapshot):
                 # A pattern that matches nothing fails on the training thread, not later.
                 self.bounds.check(n for span in snap.flat.spans for n in span.names)
-            pending = self._announce(path, options) if background else None
+            announced = pending.announce(path, options, self.chain_dir, self.chain_url(
+                entries.split(path)[0])) if background else None
         except BaseException:
             self._room.release()
             raise
@@ -189,50 +175,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                     done = True
             finally:
                 if background:
-                    if pending is not None and not done:
-                        self._withdraw(path, options, pending)
+                    if announced is not None and not done:
+                        pending.withdraw(path, options, announced)
                     entries.PENDING.end(path)
                 self._room.release()
 
         self._run(job, f"save of {path}", background)
-
-    def _announce(self, path: str, options: dict[str, Any]) -> entries.PendingEntry | None:
-        """Write the pending entry at ``path``, keeping the committed entry it replaces. A
-        plain checkpoint there (a run that switched to tpde) stays until the step commits:
-        None. Either way readers in this process wait for the save (``entries.PENDING``)."""
-        folder, name = _split(path)
-        previous, plain = entries.replaced(path, options)
-        if plain:
-            entries.PENDING.begin(path)
-            return None
-        url = self._chain_url(folder)
-        pending = entries.PendingEntry(run=self.chain_dir, run_url=url,
-                                       writer=entries.this_writer(), token=uuid.uuid4().hex,
-                                       previous=previous)
-        entries.PENDING.begin(path)
-        try:
-            Store(folder, options).put_atomic(name, entries.to_bytes(pending))
-        except BaseException:
-            entries.PENDING.end(path)
-            raise
-        return pending
-
-    def _withdraw(self, path: str, options: dict[str, Any],
-                  pending: entries.PendingEntry) -> None:
-        """A save that will not commit: ``path`` gets back the entry its pending one replaced
-        (or goes, if it had none), unless something else was written there since."""
-        folder, name = _split(path)
-        try:
-            found = entries.read_any(path, options)
-        except (FileNotFoundError, TPDEError):
-            return
-        if not (isinstance(found, entries.PendingEntry) and found.token == pending.token):
-            return
-        if pending.previous is None:
-            fs, p = entries.filesystem(path, options)
-            fs.rm_file(p)
-        else:
-            Store(folder, options).put_atomic(name, entries.to_bytes(pending.previous))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -247,17 +195,17 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         if step is None:  # not an entry: a plain checkpoint, or nothing
             from lightning.fabric.utilities.cloud_io import _load
 
-            fs, p = entries.filesystem(path, self.storage_options)
-            if not fs.exists(p):
+            at, name = entries.store_at(path, self.storage_options)
+            if not at.exists(name):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             return _load(path, map_location=map_location, weights_only=weights_only)
         # Lightning's default (a torch-style callable) keeps tensors on the CPU, as this does.
         location = map_location if isinstance(map_location, (str, dict, torch.device)) else "cpu"
         trusted = weights_only is False
-        here = self._chain_url(_split(path)[0])
+        here = self.chain_url(entries.split(path)[0])
         if trainer_state.rank() == 0 and entries.normalize(chain.url) == entries.normalize(here):
             # The writer resumes here: its next save is a delta against this step.
-            run = self._run_for(here)
+            run = self.run_for(here)
             with run.lock:
                 return run.ckpt.load(step, location, trusted=trusted)
         state, _ = chain.load(step, map_location=location, trusted=trusted,
@@ -271,32 +219,33 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         path = str(path)
         self._asked += 1
         self._removed[entries.normalize(path)] = self._asked
-        fs, p = entries.filesystem(path, self.storage_options)
-        if _local(path) and os.path.islink(p):
-            os.unlink(p)  # save_last="link": the link goes, what it points to stays
+        at, name = entries.store_at(path, self.storage_options)
+        if entries.is_local(path) and os.path.islink(local := os.path.join(*entries.split(path))):
+            os.unlink(local)  # save_last="link": the link goes, what it points to stays
             return
-        if not fs.exists(p):
+        kind = at.kind(name)
+        if kind is None:
             return
-        if fs.isdir(p):
+        if kind == "directory":
             log.warning("tpde: %s is a folder, not a tpde entry: a sharded strategy wrote it "
                         "with torch.distributed.checkpoint without calling CheckpointIO, so "
                         "tpde stored nothing for it (use tpde.TPDEModelParallelStrategy or "
                         "tpde.TPDEFSDPStrategy); removing it as Lightning would", path)
-            fs.rm(p, recursive=True)
+            at.delete_tree(name)
             return
         try:
             found = entries.read_any(path, self.storage_options)
         except TPDEError:  # damaged: Lightning removes it; orphans are found by listing
             found = None
-        fs.rm_file(p)
+        at.delete(name)
         if found is None:
             return  # a plain checkpoint from before the run switched to tpde
-        folder, name = _split(path)
-        url = self._chain_url(folder)
+        folder, name = entries.split(path)
+        url = self.chain_url(folder)
 
         def job(run: bool) -> None:
             if run:
-                run_ = self._run_for(url)
+                run_ = self.run_for(url)
                 with run_.lock:
                     if run_.ckpt.chain.is_run():
                         self._collect(run_.ckpt, folder, name)
@@ -327,20 +276,20 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         return sum(r.stored_bytes for r in self.reports)
 
     # ------------------------------------------------------------------ the worker side
-    def _chain_url(self, folder: str) -> str:
+    def chain_url(self, folder: str) -> str:
+        """The URL of the chain of the checkpoint folder ``folder``."""
         return f"{folder}/{self.chain_dir}"
 
-    def _run_for(self, url: str) -> "writers.Run":
+    def run_for(self, url: str) -> "writers.Run":
+        """The process's writer of the chain at ``url`` (shared by its plugins), which this
+        plugin now uses and lets go of at ``teardown``."""
         self._used.add(url)
         return writers.acquire(url, self, self.storage_options, self.options.given())
-
-    def _checkpointer(self, url: str) -> Checkpointer:
-        return self._run_for(url).ckpt
 
     def _write(self, snap: Snapshot | dict[str, Any], path: str, options: dict[str, Any],
                meta: dict[str, Any], stall_ms: float, asked: int) -> None:
         started = time.perf_counter()
-        run = self._run_for(self._chain_url(_split(path)[0]))
+        run = self.run_for(self.chain_url(entries.split(path)[0]))
         with run.lock:
             if run.next is None:
                 run.next = run.ckpt.next_step()
@@ -348,7 +297,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             run.next = info.step + 1
             if self._removed.get(entries.normalize(path), 0) > asked:
                 # removed after this save was asked for: its step is named by nothing
-                self._collect(run.ckpt, *_split(path))
+                self._collect(run.ckpt, *entries.split(path))
                 return
             self._publish(path, options, run.ckpt, info, meta, stall_ms, started)
 
@@ -356,14 +305,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
                  meta: dict[str, Any], stall_ms: float, started: float) -> None:
         """Write the entry naming a committed step at ``path``; free what an entry it
         replaces named."""
-        folder, name = _split(path)
+        folder, name = entries.split(path)
         step = info.step
-        blob = ckpt.chain.manifest(step).id
-        data = entries.to_bytes(entries.CheckpointEntry(
-            run=self.chain_dir, run_url=ckpt.chain.url, step=step, blob=blob,
-            raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
-        replaced, _ = entries.replaced(path, options)
-        Store(folder, options).put_atomic(name, data)
+        replaced = pending.publish(path, options, entries.CheckpointEntry(
+            run=self.chain_dir, run_url=ckpt.chain.url, step=step,
+            blob=ckpt.chain.manifest(step).id, raw_bytes=info.raw_bytes,
+            stored_bytes=info.stored_bytes, meta=meta))
         report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
                             stall_ms, time.perf_counter() - started, info.codecs)
         self.reports.append(report)

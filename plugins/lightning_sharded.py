@@ -28,7 +28,7 @@ from tpde.chain import PREVIOUS
 from tpde.entries import entry as entries
 from tpde.plugins.dcp import Writer, hold
 from tpde.plugins.dcp_read import Reader
-from tpde.plugins.lightning import TPDECheckpointIO, _split
+from tpde.plugins.lightning import TPDECheckpointIO
 from tpde.state import tree
 from tpde.store.lease import DEFAULT_LEASE_SECONDS
 
@@ -59,12 +59,12 @@ class _TPDESharded:
         io = self._tpde()
         path = str(self.broadcast(str(filepath)))
         options = {**io.storage_options, **(storage_options or {})}
-        url = io._chain_url(_split(path)[0])
+        url = io.chain_url(entries.split(path)[0])
         started = time.perf_counter()
         step, lease_seconds = None, DEFAULT_LEASE_SECONDS
         if self.global_rank == 0:
             io.wait()  # a removal still re-basing the chain finishes before this step starts
-            ckpt = io._checkpointer(url)
+            ckpt = io.run_for(url).ckpt
             step, lease_seconds = ckpt.next_step(), ckpt.lease.seconds
             hold(ckpt.lease)  # the Writer's coordinator renews this job's one lease
         step = self.broadcast(step)
@@ -77,7 +77,7 @@ class _TPDESharded:
         dcp.save(checkpoint, storage_writer=Writer(url, step, storage_options=io.storage_options,
                                                    **settings))
         if self.global_rank == 0:
-            io._run_for(url).next = step + 1
+            io.run_for(url).next = step + 1
             info = StepInfo.of(ckpt.chain.manifest(step))
             io._publish(path, options, ckpt, info, meta,
                         (time.perf_counter() - started) * 1e3, started)

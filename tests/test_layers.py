@@ -85,28 +85,17 @@ def test_no_import_runs_upward(module: str) -> None:
     assert not upward, "\n".join(upward)
 
 
-def package_of(module: str) -> str:
-    """The folder a module lies in, as a package (``tpde.codec.elias``: ``tpde.codec``)."""
-    for names in LAYERS:
-        for name in sorted(names, key=len, reverse=True):
-            if name != "tpde" and (module == name or module.startswith(name + ".")):
-                return name
-    return "tpde"
-
-
 @pytest.mark.parametrize("module", sorted(modules()))
-def test_no_private_name_is_imported_from_another_package(module: str) -> None:
-    """What a folder keeps to itself (a leading underscore) stays there: another layer's
-    code reaches it only through names it offers."""
+def test_no_private_name_is_imported_from_another_module(module: str) -> None:
+    """What a module keeps to itself (a leading underscore) stays there: other code, in its
+    folder or not, reaches it only through names it offers."""
     path = modules()[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     private = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
                 and node.module.startswith("tpde"):
             for a in node.names:
-                if a.name.startswith("_") and not a.name.startswith("__") and \
-                        package_of(node.module) != package_of(package + ".x"):
+                if a.name.startswith("_") and not a.name.startswith("__"):
                     private.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
                                    f"{a.name} from {node.module}")
     assert not private, "\n".join(private)
@@ -162,3 +151,46 @@ def test_the_check_sees_a_chain_internal(tmp_path: pathlib.Path) -> None:
     assert ("tpde.chain.write", 1) in found and ("tpde.chain.save", 3) in found
     assert [n for n, _ in found if n not in tpde.chain.__all__] == [
         "tpde.chain.write", "plan", "tpde.chain.save"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in modules()
+                                          if not m.startswith("tpde.store")))
+def test_bytes_go_through_the_store_alone(module: str) -> None:
+    """Only ``tpde.store`` reaches a filesystem: nothing else imports fsspec or uses a
+    store's filesystem (``store.fs``), so every read and write has its retries and
+    deadlines."""
+    path = modules()[module]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} imports {a.name}"
+                      for a in node.names if a.name.split(".")[0] == "fsspec"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fsspec":
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}")
+        elif isinstance(node, ast.Attribute) and node.attr == "fs" and \
+                isinstance(node.value, ast.Attribute) and node.value.attr == "store":
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses a store's filesystem")
+    assert not found, "\n".join(found)
+
+
+def test_both_stores_implement_the_protocol_themselves() -> None:
+    """``Store`` and a mount's ``ResidentStore`` each define every member of ``ByteStore``
+    (no forwarding of whatever is asked for), and a mount's store refuses writes."""
+    from tpde.errors import TPDEError
+    from tpde.store.protocol import ByteStore
+    from tpde.store.resident import ResidentStore
+    from tpde.store.store import Store
+
+    members = {n for n in dir(ByteStore) if not n.startswith("_")} | \
+        set(ByteStore.__annotations__)
+    store = Store("memory://tpde-protocol/run")
+    resident = ResidentStore(store, {"b": {(0, 3): b"abc"}})
+    for impl, obj in ((Store, store), (ResidentStore, resident)):
+        assert isinstance(obj, ByteStore)
+        assert "__getattr__" not in vars(impl)
+        missing = [m for m in members if not hasattr(obj, m)]
+        assert not missing, f"{impl.__name__} lacks {missing}"
+    assert bytes(resident.read_range("b", 1, 3)) == b"bc"
+    with pytest.raises(TPDEError, match="read-only"):
+        resident.put_atomic("x", b"1")
+    assert not store.exists("x")

@@ -151,7 +151,7 @@ def test_a_save_during_fit_is_there_at_once_and_read_in_this_process_when_done(
         def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             path = str(tmp_path / "mid" / f"e{trainer.current_epoch}.ckpt")
             # The writer's lock, held here, keeps the background save from committing.
-            with plugin._run_for(str(tmp_path / "mid" / ".tpde")).lock:
+            with plugin.run_for(str(tmp_path / "mid" / ".tpde")).lock:
                 trainer.save_checkpoint(path)
                 assert isinstance(entries.read_any(path), entries.PendingEntry)
             seen.append(tpde.load_checkpoint(path)["global_step"])  # waits for the save
@@ -177,7 +177,7 @@ def test_a_removal_during_fit_waits_for_no_save(tmp_path) -> None:
             before = entries.read(old).step if trainer.current_epoch else None  # committed
             # The writer's lock, held here, keeps the save from committing, and the removal's
             # freeing queued behind it.
-            with plugin._run_for(str(tmp_path / ".tpde")).lock:
+            with plugin.run_for(str(tmp_path / ".tpde")).lock:
                 trainer.save_checkpoint(new)
                 if before is not None:
                     trainer.strategy.remove_checkpoint(old)

@@ -111,7 +111,7 @@ def test_mounted_equals_dense(encoder_chain, step: int, budget: str, native: boo
     else:
         assert stats.decodes == stats.modules  # decoded once, kept
     # Natively, every module's stored tensors but its packs' were planned and rebuilt there.
-    planned = model.tpde_mount._native or {}
+    planned = model.tpde_mount.decoder.native or {}
     assert bool(planned) == native and all(planned.values())
     model.tpde_mount.close()
 
@@ -139,7 +139,7 @@ def test_weights_held_past_their_module_keep_their_values(encoder_chain, native:
     with torch.no_grad():
         for _ in range(3):
             model(**BATCH)
-    arena = model.tpde_mount._arena
+    arena = model.tpde_mount.decoder.arena
     assert arena is not None
     maps = [(np.frombuffer(m, dtype=np.uint8).ctypes.data, len(m)) for m in arena._maps]
     assert all(any(a <= t.data_ptr() < a + n for a, n in maps) == native for t in kept)

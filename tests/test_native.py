@@ -107,7 +107,7 @@ def test_native_rebuild_is_the_python_path_bit_for_bit(tmp_path_factory, where: 
     chain = Chain(run)
     for step, state in enumerate(states):
         names = [r.name for r in chain.manifest(step).records]
-        lineages = native.plan(chain, step, names)
+        lineages = native.lineages(chain, step, names)
         assert set(lineages) == {n for n in names if _native_kind(chain, step, n)}
         expected = chain.materialize(step, names, native=False)
         for threads in (2, 1):
@@ -130,7 +130,7 @@ def _two_tensor_run(run: str) -> tuple[Chain, dict[str, native.Lineage]]:
     first = {"a": torch.randn(300_001, generator=g), "b": torch.randn(5000, generator=g)}
     _write(run, first, [["dense", "sparse"], ["dense", "dense"]], keyframe_every=8)
     chain = Chain(run)
-    return chain, native.plan(chain, 2, ["a", "b"])
+    return chain, native.lineages(chain, 2, ["a", "b"])
 
 
 @pytest.mark.parametrize("resident", [False, True], ids=["read", "held"])
@@ -210,7 +210,7 @@ def test_rebuild_refuses_tasks_that_do_not_add_up() -> None:
 def _child(run: str, queue) -> None:
     from tpde.chain import native as child_native
     chain = Chain(run)
-    lineages = child_native.plan(chain, 2, ["a", "b"])
+    lineages = child_native.lineages(chain, 2, ["a", "b"])
     got = child_native.rebuild(chain, lineages, check=True, threads=2, into={}, alloc=in_heap)
     queue.put({n: _bits(w) for n, w in got.items()})
     # A restore there leaves its tensors to the Python path's own decode threads.
@@ -301,14 +301,14 @@ def test_a_lineage_of_large_sparse_deltas_is_left_to_the_python_path(tmp_path,
             ckpt.save(step, emb.state_dict())
     chain = Chain(run)
     assert [r.codec for _, r in chain.lineage("weight", 2)] == ["key", "sparse", "sparse"]
-    assert set(native.plan(chain, 2, ["weight"])) == {"weight"}
+    assert set(native.lineages(chain, 2, ["weight"])) == {"weight"}
     monkeypatch.setattr(native, "SPARSE_BYTES", 1 << 10)
-    assert native.plan(chain, 2, ["weight"]) == {}
+    assert native.lineages(chain, 2, ["weight"]) == {}
     mounted = tpde.mount(run, 2, torch.nn.Embedding(20_000, 64), device="cpu", budget=0)
     ids = torch.randint(0, 20_000, (4, 16), generator=g)
     with torch.no_grad():
         assert torch.equal(mounted(ids), emb(ids))
-    assert mounted.tpde_mount._native == {"": {}}  # planned, and nothing rebuilt natively
+    assert mounted.tpde_mount.decoder.native == {"": {}}  # planned, and nothing rebuilt natively
 
 
 def test_the_restore_path_counts_progress_and_reports_damage_as_the_python_path(

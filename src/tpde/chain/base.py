@@ -12,6 +12,7 @@ from tpde.chain.plan import KEYFRAME, PREVIOUS
 from tpde.codec import encoder
 from tpde.errors import CorruptionError, NotARunError, StepNotFoundError, TPDEError
 from tpde.manifest import Manifest, Record, parse
+from tpde.store.protocol import ByteStore
 from tpde.store.store import Store
 
 MARKER, STEPS, REMOVED, DATA = "tpde.json", "steps", "removed", "data"
@@ -115,10 +116,17 @@ class ChainBase:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
-        self.store = Store(url, storage_options)
+        self.store: ByteStore = Store(url, storage_options)
         self._manifests: dict[int, Manifest] = {}
         self._known_run = False
         self._against: str | None = None
+
+    def read_through(self, store: ByteStore) -> None:
+        """Read (and write) this run through ``store`` from now on: a view of the run's own
+        store, such as a mount's read-only ``ResidentStore``."""
+        if store.url != self.store.url:
+            raise ValueError(f"{store.url!r} is not this run's store ({self.store.url!r})")
+        self.store = store
 
     def deltas_against(self) -> str:
         """What the run's writer codes deltas against (the marker's ``deltas_against``): a

@@ -2,16 +2,16 @@
 a restore's batches.
 
 A mount at budget 0 rebuilds each module's tensors on every forward. Through ``materialize``
-that is a plan, a few pools and a dozen Python calls per record, every time: a large share
+that is a rebuild plan, a few pools and a dozen Python calls per record, every time: a large share
 of a forward's decode. Here a tensor's lineage is worked out once
-(``plan``); after that its records are read and rebuilt, keyframe, deltas and hash check, by
+(``lineages``); after that its records are read and rebuilt, keyframe, deltas and hash check, by
 one call for the whole module, which the forward's thread shares with torch's own OpenMP
 threads: with torch's default threads those wait, spinning, on the cores a decode thread of
 tpde's would need. A restore (``restore``) rebuilds its tensors the same way, a batch at a
 time, each lineage in one pass over its words, however many deltas deep.
 
 Only exact keyframes, dense deltas and sparse XOR deltas (up to ``SPARSE_BYTES``) of words
-whose records hash with XXH3-128 are rebuilt here; ``plan`` leaves the rest (error-bounded
+whose records hash with XXH3-128 are rebuilt here; ``lineages`` leaves the rest (error-bounded
 records, records of older formats, larger sparse deltas, missing records) to ``materialize``,
 and so does ``rebuild`` with any tensor it could not rebuild or check: ``materialize`` rebuilds
 them again and says where the chain is damaged.
@@ -149,7 +149,7 @@ def _openmp() -> str | None:
     return min(found) if len(found) == 1 else None
 
 
-def plan(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage]:
+def lineages(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage]:
     """The lineages of ``names`` at ``step`` that ``rebuild`` can rebuild, by name; the others
     are left out, those with a record missing on the way too (``materialize`` says which)."""
     out: dict[str, Lineage] = {}
@@ -245,16 +245,16 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
     opened, teamed = _opening()
     if not opened or (threads > 1 and not teamed):
         return {}  # on one thread where the Python path's decode threads would share the work
-    lineages = list(plan(chain, step, names).values())
-    if not lineages:
+    found = list(lineages(chain, step, names).values())
+    if not found:
         return {}
     try:
-        read_first = chain.store.descriptor(lineages[0].records[0].blob) is None
+        read_first = chain.store.descriptor(found[0].records[0].blob) is None
     except OSError:  # a blob gone: its lineages fail in the call, and materialize says where
         read_first = False
     calls: list[list[Lineage]] = []
     held = beside = 0
-    for lin in lineages:
+    for lin in found:
         extra = lin.beside(read_first)
         if extra > batch_bytes:
             continue

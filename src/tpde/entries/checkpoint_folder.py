@@ -12,7 +12,7 @@ from typing import Any
 
 from tpde.chain import Chain
 from tpde.entries.entry import (CHAIN_DIR, MAX_ENTRY_BYTES, CheckpointEntry, PendingEntry,
-                                filesystem, parse_any, same_chain, to_bytes)
+                                parse_any, same_chain, store_at, to_bytes)
 from tpde.errors import FormatError, TPDEError
 from tpde.store.store import Store
 
@@ -23,16 +23,6 @@ MARK = b'"format": "tpde-entry"'
 #: generation on object stores, inode and mtime on disk): a writer that collects after every
 #: save reads each entry once, not once per save.
 Seen = dict[tuple[str, Any], Any]  # what ``_listed`` found
-
-
-def _version(item: dict[str, Any]) -> Any:
-    """What identifies one write of a listed file, or None where the listing has nothing exact."""
-    for key in ("ETag", "etag", "generation"):
-        if item.get(key):
-            return item[key]
-    if item.get("ino") is not None:  # atomic replacement on disk makes a new inode
-        return (item["ino"], item.get("mtime"))
-    return None
 
 
 @dataclass(frozen=True)
@@ -62,8 +52,8 @@ class Survey:
 def _listed(url: str, storage_options: dict[str, Any] | None) -> Any:
     """The file at ``url`` as ``survey`` sees it: an entry, a pending entry, a damaged entry,
     or None for a file that is no entry."""
-    fs, p = filesystem(url, storage_options)
-    data = fs.cat_file(p)
+    at, name = store_at(url, storage_options)
+    data = bytes(at.read(name))
     if len(data) < 4 and b"PK\x03\x04".startswith(data):
         return Damaged(f"cut to {len(data)} bytes", data)  # no checkpoint of any kind is this short
     try:
@@ -80,19 +70,14 @@ def survey(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None
     """The entries in ``folder_url`` that point into ``chain``, and those that may: a damaged
     entry is kept whoever it named, since no one can tell it did not name this chain."""
     seen = {} if seen is None else seen
-    fs, root = filesystem(folder_url, storage_options)
-    try:
-        items = fs.ls(root, detail=True, refresh=True)
-    except FileNotFoundError:
-        return Survey()
     out = Survey()
     listed = set()
-    for item in items:
-        if item.get("type") != "file" or int(item.get("size") or 0) > MAX_ENTRY_BYTES:
+    for item in Store(folder_url, storage_options).list(""):
+        if item.size > MAX_ENTRY_BYTES:
             continue
-        name = item["name"]
-        url = name if "://" not in folder_url else f"{folder_url.split('://', 1)[0]}://{name}"
-        key = (url, _version(item))
+        name = item.path
+        url = f"{str(folder_url).rstrip('/')}/{name}"
+        key = (url, item.version)
         listed.add(key)
         if key[1] is None or key not in seen:
             try:

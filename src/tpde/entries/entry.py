@@ -31,7 +31,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import fsspec
 import torch
 
 from tpde.chain import MARKER, Chain
@@ -203,9 +202,26 @@ class Pending:
 PENDING = Pending()
 
 
-def filesystem(path: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
-    """The fsspec filesystem and path of ``path`` (the instance Lightning's own code gets)."""
-    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+def is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def split(path: str) -> tuple[str, str]:
+    """(folder, name) of a checkpoint path; local folders absolute (a link stays a link)."""
+    path = str(path)
+    if is_local(path):
+        path = os.path.abspath(path.removeprefix("file://"))
+        return os.path.dirname(path), os.path.basename(path)
+    head, _, name = path.rpartition("/")
+    return head, name
+
+
+def store_at(path: str, storage_options: dict[str, Any] | None) -> tuple[store.Store, str]:
+    """The store of the folder that holds ``path``, and the name of ``path`` in it: every
+    byte of an entry is read and written through a ``Store``, with its retries and
+    deadlines."""
+    folder, name = split(path)
+    return store.Store(folder, storage_options), name
 
 
 def read(path: str, storage_options: dict[str, Any] | None = None, *,
@@ -223,10 +239,10 @@ def read(path: str, storage_options: dict[str, Any] | None = None, *,
 def read_any(path: str, storage_options: dict[str, Any] | None = None
              ) -> CheckpointEntry | PendingEntry | None:
     """The entry at ``path`` as written (pending or final), or None when it is no entry."""
-    fs, p = filesystem(path, storage_options)
-    if fs.size(p) > MAX_ENTRY_BYTES:
+    at, name = store_at(path, storage_options)
+    if at.size(name) > MAX_ENTRY_BYTES:
         return None
-    return parse_any(fs.cat_file(p), where=str(path))
+    return parse_any(bytes(at.read(name)), where=str(path))
 
 
 def replaced(path: str, storage_options: dict[str, Any] | None = None
@@ -310,9 +326,9 @@ def load_checkpoint(path: str, step: int | None = None, blob: str | None = None,
     path = str(path)
     if step is None:
         chain, step, _ = resolve(path, storage_options)
-        fs, p = filesystem(path, storage_options)
-        if step is None and not chain.is_run() and fs.isfile(p):
-            with fs.open(p, "rb") as f:  # a plain checkpoint
+        at, name = store_at(path, storage_options)
+        if step is None and not chain.is_run() and at.kind(name) == "file":
+            with at.open_read(name) as f:  # a plain checkpoint
                 try:
                     return torch.load(f, map_location=map_location, weights_only=not trusted)
                 except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, ...
@@ -371,7 +387,7 @@ def resolve(target: str, storage_options: dict[str, Any] | None = None
     if folder:
         return Chain(f"{target}/{CHAIN_DIR}", storage_options), None, target
     chain = Chain(target, storage_options)
-    if not chain.is_run() and chain.store.fs.isfile(chain.store.root):
+    if not chain.is_run() and chain.store.kind("") == "file":
         found = read(target, storage_options)
         if found is not None:
             chain = chain_for(target, found, storage_options)

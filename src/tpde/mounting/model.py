@@ -15,50 +15,41 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from tpde.chain import Chain, native, sharded, span_words, whole
+from tpde.chain import Chain, whole
 from tpde.entries import entry as entries
-from tpde.errors import CorruptionError, TPDEError
+from tpde.errors import TPDEError
 from tpde.mounting import slots
+from tpde.mounting.decode import ModuleDecoder, MountStats
+from tpde.mounting.weights import Weights
 from tpde.runtime import frame_threads, heap
-from tpde.store.resident import ResidentStore
 
-#: Free heap a mount at budget 0 lets build up beyond what it held after its last trim, looked
-#: at once for every as many bytes of words rebuilt (``heap.Trims``). The Python path's trims
-#: (``heap.freed``) ran several times a forward and handed back the rebuilds' buffers that
-#: the next module faulted in again; at this size a mount trims about once, at its first
-#: forward, and peaks lower (``benchmarks/mount_memory.py``).
-KEEP_FREE_BYTES = 4 << 20
+def _checked_settings(device: torch.device, budget: int | None, prefetch: int, resident: str,
+                      decoder: str) -> torch.device | None:
+    """A mount's settings checked; where the kernels rebuild its words (None: on the CPU)."""
+    if budget is not None and (not whole(budget) or budget < 0):
+        raise ValueError(f"budget must be None or bytes >= 0, got {budget!r}")
+    if not whole(prefetch) or prefetch < 0:
+        raise ValueError(f"prefetch must be a number of modules >= 0, got {prefetch!r}")
+    if decoder not in ("auto", "cpu", "kernels"):
+        raise ValueError('decoder must be "auto", "cpu" or "kernels"')
+    if resident not in ("auto", "host", "store"):
+        raise ValueError('resident must be "auto", "host" or "store"')
+    kernels = decoder == "kernels" or (decoder == "auto" and device.type == "cuda")
+    if kernels:  # only then: importing triton costs a CPU-only mount much memory
+        from tpde.kernels import triton_kernels
 
-
-@dataclass
-class MountStats:
-    """What a mount decoded and held (bytes of decoded weights). ``decode_seconds`` is the wall
-    time forwards spent getting their modules' weights, decoding them on the forward's thread
-    or waiting for the worker's (on a CUDA device, until the kernels were queued): the part of
-    the forwards that was not their compute, so that a mount's decode speed can be set beside
-    the restore path's. Decodes the worker finished while a module computed cost nothing
-    there. ``decoded_ahead`` counts the modules whose weights were decoded before their
-    forward asked for them (``prefetch``)."""
-
-    decodes: int = 0
-    decoded_ahead: int = 0
-    decoded_bytes: int = 0
-    decode_seconds: float = 0.0
-    hits: int = 0
-    resident_bytes: int = 0
-    held_compressed_bytes: int = 0
-    modules: int = 0
-    largest_module_bytes: int = 0
-    order: list[str] = field(default_factory=list)
+        if decoder == "kernels" and not triton_kernels.available():
+            raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of "
+                            "torch)")
+        kernels = triton_kernels.available()
+    return device if kernels else None
 
 
 class Mount:
@@ -67,24 +58,8 @@ class Mount:
     def __init__(self, chain: Chain, step: int, model: torch.nn.Module, *,
                  device: torch.device, budget: int | None, prefetch: int,
                  resident: str, units: tuple[type, ...] = (), decoder: str = "auto") -> None:
-        if budget is not None and (not whole(budget) or budget < 0):
-            raise ValueError(f"budget must be None or bytes >= 0, got {budget!r}")
-        if not whole(prefetch) or prefetch < 0:
-            raise ValueError(f"prefetch must be a number of modules >= 0, got {prefetch!r}")
-        if decoder not in ("auto", "cpu", "kernels"):
-            raise ValueError('decoder must be "auto", "cpu" or "kernels"')
-        kernels = decoder == "kernels" or (decoder == "auto" and device.type == "cuda")
-        if kernels:  # only then: importing triton costs a CPU-only mount much memory
-            from tpde.kernels import triton_kernels
-
-            if decoder == "kernels" and not triton_kernels.available():
-                raise TPDEError("decoder='kernels' needs triton (it ships with CUDA builds of "
-                                "torch)")
-            kernels = triton_kernels.available()
         #: Where words are rebuilt by the kernels (None: on the CPU, by tpde.codec.encoder).
-        self.on = device if kernels else None
-        if resident not in ("auto", "host", "store"):
-            raise ValueError('resident must be "auto", "host" or "store"')
+        self.on = _checked_settings(device, budget, prefetch, resident, decoder)
         if resident == "auto":
             # At budget 0 memory comes first: compressed bytes held in memory would outweigh
             # the weights (a keyframe and its deltas), and a local run's are in the page cache.
@@ -92,12 +67,7 @@ class Mount:
         self.chain, self.step, self.model, self.device = chain, step, model, device
         self.budget, self.prefetch = budget, prefetch
         self.stats = MountStats()
-        mounted = slots.plan(chain, step, model, units)
-        #: Packs (small tensors stored together, ``tree.pack``): decoded once a forward, for
-        #: every module with a tensor in them, not once for each (``_pack_words``).
-        self._pack_names = mounted.packs
-        self._packs: dict[str, torch.Tensor] = {}
-        self._packs_lock = threading.Lock()
+        mounted = slots.layout(chain, step, model, units)
         self.units = mounted.units
         # What the chain does not hold (non-persistent buffers such as position ids) moves to
         # the device as it is.
@@ -106,53 +76,28 @@ class Mount:
                 owner, _, attr = key.rpartition(".")
                 model.get_submodule(owner)._buffers[attr] = buf.to(device)
         self.names = list(self.units)
-        self.sizes = {n: sum(s.nbytes for *_, s in v) for n, v in self.units.items()}
+        self.decoder = ModuleDecoder(chain, step, mounted, on=self.on, budget=budget,
+                                     held=resident == "host", stats=self.stats)
+        self.sizes = self.decoder.sizes
         self.stats.modules = len(self.names)
         self.stats.largest_module_bytes = max(self.sizes.values(), default=0)
-        #: At budget 0 every module is decoded on every forward: its words come from an arena
-        #: whose pages stay faulted in, sized for the module in use and one decoded ahead
-        #: within the largest module's room.
-        self._arena = heap.Arena(2 * self.stats.largest_module_bytes) \
-            if budget == 0 and self.on is None and heap.ARENAS else None
-        self._alloc = slots.in_arena(self._arena) if self._arena is not None else slots.in_heap
-        self._trims = heap.Trims(every=KEEP_FREE_BYTES)
-        self.held = resident == "host"
-        self._checked: set[str] = set()
-        if self.held:
-            self._hold()
-        else:
-            self.chain.store.whole_blob_reads = False  # a module's records, by range
         self._lru: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[str, Future] = {}
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpde-mount") if prefetch else None
         #: Prefetching on a CUDA device decodes on its own stream, beside the forward's.
         self._side = torch.cuda.Stream(device) if prefetch and device.type == "cuda" else None
+        self.weights = Weights(chain.url, step, model, self.units, side=self._side)
         self._order: list[str] = list(self.names)
         self._learning: list[str] | None = []
-        #: Each module's lineages that ``native.rebuild`` rebuilds in one call, worked out on
-        #: its first decode (host words only).
-        self._native: dict[str, dict[str, native.Lineage]] | None = \
-            {} if self.on is None and native.available() else None
         self._active: list[str] = []
         self._pinned: set[str] = set()
         # Each unit's forward is wrapped rather than hooked: PyTorch's fused fast paths
         # (nn.TransformerEncoderLayer's) switch themselves off when a module has hooks, and a
         # mounted model must compute exactly as the dense one does.
         self._wrapped: list[tuple[torch.nn.Module, Any]] = []
-        #: Each owner's module, and each tensor's placeholder, looked up and made once: every
-        #: forward at budget 0 assigns and releases every tensor.
-        self._modules = {owner: model.get_submodule(owner)
-                         for owned in self.units.values() for owner, *_ in owned}
-        self._ghosts: dict[str, torch.Tensor] = {}
-        #: Each stored dtype's dtype in the model (``model.to(torch.bfloat16)``, ``.half()``).
-        self._cast: dict[torch.dtype, torch.dtype] = {}
-        #: Each stored tensor's version counter as the mount left it: a write in place since
-        #: is refused at the next forward (``_unchanged``).
-        self._versions: dict[str, int] = {}
         self._hooks: list[Any] = []
         for name in self.names:
-            self._release(name)
+            self.weights.release(name)
             unit = model.get_submodule(name)
             self._wrap(unit, self._pre(name), self._post(name))
             # ``state_dict()`` hands out the weights, decoded for it where none are held.
@@ -164,30 +109,6 @@ class Mount:
         model._apply = self._apply
 
     # ------------------------------------------------------------------ decoding
-    def _hold(self) -> None:
-        """Read every compressed section the mounted tensors need, once, into memory."""
-        wanted: dict[str, set[tuple[int, int]]] = {}
-        steps: dict[str, int] = {}
-        for owned in self.units.values():
-            for name in {n for *_, slot in owned for n in slot.records}:
-                for at, rec in self.chain.lineage(name, self.step):
-                    if not rec.sections:
-                        continue
-                    blob = self.chain.manifest(at).blob_of(rec)
-                    steps[blob] = at
-                    for s in rec.sections.values():
-                        wanted.setdefault(blob, set()).add((s.offset, s.offset + s.length))
-        held: dict[str, dict[tuple[int, int], bytes]] = {}
-        for blob, ranges in wanted.items():
-            order = sorted(ranges)
-            try:
-                held[blob] = dict(zip(order, self.chain.store.read_ranges(blob, order)))
-            except FileNotFoundError:
-                raise CorruptionError(f"blob {blob} is missing", run=self.chain.url,
-                                      step=steps[blob]) from None
-            self.stats.held_compressed_bytes += sum(b - a for a, b in order)
-        self.chain.store = ResidentStore(self.chain.store, held)
-
     def _decode_ahead(self, name: str) -> dict[str, torch.Tensor]:
         """``_decode`` on the worker thread: on the side stream, done when it returns."""
         if self._side is None:
@@ -199,53 +120,7 @@ class Mount:
 
     def _decode(self, name: str, team: bool = True, kept: bool = False
                 ) -> dict[str, torch.Tensor]:
-        """``name``'s tensors; ``team``: on the forward's thread, whose OpenMP threads (torch's)
-        may share a native rebuild (not on the worker's); ``kept``: handed out, so from the
-        heap rather than the arena a forward's decodes take again and again."""
-        owned = self.units[name]
-        alloc = slots.in_heap if kept else self._alloc
-        # Held compressed bytes decode to what was checked the first time: check once.
-        check = not (self.held and name in self._checked)
-        spans, into = ({}, {}) if self.on is not None else \
-            slots.span_buffers(self.chain, self.step, owned, alloc)
-        names = {n for *_, s in owned for n in s.records}
-        rest = names - self._pack_names
-        words: dict[str, torch.Tensor] = {}
-        if self._native is not None and rest:
-            planned = self._native.get(name)
-            if planned is None:
-                planned = self._native[name] = native.plan(self.chain, self.step, rest)
-            words = native.rebuild(self.chain, planned, check=check, into=into,
-                                   threads=torch.get_num_threads() if team else 1,
-                                   alloc=alloc)
-            if self._arena is not None and not kept:  # what the rebuild freed beside the arena's words
-                self._trims.after(KEEP_FREE_BYTES, sum(planned[n].word_bytes for n in words))
-            if len(words) < len(planned):  # worked out again on the next decode
-                self._native.pop(name, None)
-            rest = rest - words.keys()
-        if rest:
-            # At budget 0 memory comes first: one batch of a step at a time, not the next one
-            # decompressed beside it. A tensor the native rebuild failed is rebuilt here,
-            # which says where the chain is damaged.
-            words.update(self.chain.materialize(self.step, rest, check=check, on=self.on,
-                                                look_ahead=self.budget != 0, into=into,
-                                                native=False))
-        words.update(self._pack_words(names & self._pack_names, check))
-        self._checked.add(name)
-        out: dict[str, torch.Tensor] = {}
-        for *_, s in owned:
-            if s.records not in spans:  # tied tensors view one span: put it together once
-                spans[s.records] = span_words(s.records, words) if s.dcp is None else \
-                    sharded.assemble(self.chain.manifest(self.step), s.dcp, words)
-            base = spans[s.records].view(torch.uint8).view(s.dtype)
-            t = base.as_strided(s.shape, s.stride, s.offset)
-            want = self._cast.get(s.dtype, s.dtype)
-            out[s.key] = t.to(self.device, want) if self.device.type != "cpu" or \
-                want != s.dtype else t
-        with self._lock:
-            self.stats.decodes += 1
-            self.stats.decoded_bytes += self.sizes[name]
-        return out
+        return self.decoder.decode(name, self.device, self.weights.cast, team=team, kept=kept)
 
     def _take(self, name: str, ahead: Future | None) -> dict[str, torch.Tensor]:
         """``name``'s weights, decoded here unless the worker has started on them. While it
@@ -262,60 +137,6 @@ class Mount:
             self._pending[queued] = here
         self.stats.decoded_ahead += 1
         return ahead.result()
-
-    def _pack_words(self, names: set[str], check: bool) -> dict[str, torch.Tensor]:
-        """The words of packs ``names``, decoded the first time a forward needs them and kept
-        until it ends (``_learned``): MiniLM's 58 biases and norms are one 91 KB pack that 45 of
-        its modules view."""
-        with self._packs_lock:
-            todo = names - self._packs.keys()
-            if todo:
-                self._packs.update(self.chain.materialize(self.step, todo, check=check,
-                                                          on=self.on, look_ahead=False,
-                                                          native=False))
-            return {n: self._packs[n] for n in names}
-
-    def _assign(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        for owner, attr, is_param, s in self.units[name]:
-            module, t = self._modules[owner], tensors[s.key]
-            if self._side is not None:  # made on the side stream, read on this one
-                t.record_stream(torch.cuda.current_stream(self.device))
-            if is_param:
-                t = module._parameters[attr] = torch.nn.Parameter(t, requires_grad=False)
-            else:
-                module._buffers[attr] = t
-            self._versions[s.key] = t._version
-
-    def _release(self, name: str) -> None:
-        """Put shape-and-dtype placeholders (meta tensors, made once) back; the weights are
-        freed."""
-        for owner, attr, is_param, s in self.units[name]:
-            ghost = self._ghosts.get(s.key)
-            if ghost is None:
-                ghost = torch.empty(s.shape, dtype=self._cast.get(s.dtype, s.dtype),
-                                    device="meta")
-                if is_param:
-                    ghost = torch.nn.Parameter(ghost, requires_grad=False)
-                self._ghosts[s.key] = ghost
-            if is_param:
-                self._modules[owner]._parameters[attr] = ghost
-            else:
-                self._modules[owner]._buffers[attr] = ghost
-            self._versions[s.key] = ghost._version
-
-    def _unchanged(self, name: str) -> None:
-        """Refuse to compute with weights written in place since the mount set them: held
-        ones would give outputs of weights the step does not hold, and placeholders' writes
-        are lost at the next decode."""
-        for owner, attr, is_param, s in self.units[name]:
-            held = self._modules[owner]._parameters if is_param else self._modules[owner]._buffers
-            t = held.get(attr)
-            if t is None or t._version != self._versions.get(s.key):
-                raise TPDEError(
-                    f"the mounted weights are read-only, and {s.key!r} was changed in place "
-                    "(or replaced): for weights of your own, load the step with "
-                    "tpde.load_state_dict(run, step, model=...) instead of mounting it",
-                    run=self.chain.url, step=self.step, tensor=s.key)
 
     def _resident(self) -> int:
         return sum(self.sizes[n] for n in self._lru) + sum(self.sizes[n] for n in self._pending)
@@ -344,7 +165,7 @@ class Mount:
 
     def _pre(self, name: str) -> Callable[[], None]:
         def hook() -> None:
-            self._unchanged(name)
+            self.weights.unchanged(name)
             self._active.append(name)
             if self._learning is not None and name not in self._learning:
                 self._learning.append(name)
@@ -357,9 +178,9 @@ class Mount:
                 ahead = self._pending.pop(name, None)
                 self._ahead(name, using=self.sizes[name])  # the worker goes on meanwhile
                 tensors = self._take(name, ahead)
-                with self._lock:
+                with self.decoder.lock:
                     self.stats.decode_seconds += time.perf_counter() - started
-                self._assign(name, tensors)
+                self.weights.assign(name, tensors, self.device)
                 self._lru[name] = None
             self.stats.resident_bytes = self._resident()
         return hook
@@ -374,8 +195,7 @@ class Mount:
     def _learned(self) -> None:
         """After the first whole forward, prefetch in the order modules actually ran; after
         every forward, let go of the packs' words (the modules that keep theirs view them)."""
-        with self._packs_lock:
-            self._packs.clear()
+        self.decoder.forget_packs()
         if self._learning is not None:
             seen = self._learning
             self._order = seen + [n for n in self.names if n not in seen]
@@ -401,9 +221,9 @@ class Mount:
             if self._resident() <= self.budget:
                 break
             del self._lru[victim]
-            self._release(victim)
+            self.weights.release(victim)
             released += self.sizes[victim]
-        if released and self.on is None and self._arena is None:
+        if released and self.on is None and self.decoder.arena is None:
             # Decodes free large buffers that glibc would otherwise keep: given back now and
             # then, so that a small budget bounds the process, not only the weights it holds.
             heap.freed(released)
@@ -430,15 +250,15 @@ class Mount:
 
     def _before_state_dict(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-            self._unchanged(name)
+            self.weights.unchanged(name)
             if name not in self._lru:
-                self._assign(name, self._decode(name, kept=True))
+                self.weights.assign(name, self._decode(name, kept=True), self.device)
         return hook
 
     def _after_state_dict(self, name: str) -> Callable[..., None]:
         def hook(module: torch.nn.Module, state: dict, prefix: str, meta: dict) -> None:
             if name not in self._lru:  # the caller holds the weights now, not the mount
-                self._release(name)
+                self.weights.release(name)
         return hook
 
     def _refuse_load(self, module: torch.nn.Module, *_: Any) -> None:
@@ -455,7 +275,7 @@ class Mount:
                     f.result()
         self._pending.clear()
         for name in list(self._lru):
-            self._release(name)
+            self.weights.release(name)
         self._lru.clear()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
@@ -475,12 +295,12 @@ class Mount:
                             f"kernels: mount again with device={str(device)!r}",
                             run=self.chain.url, step=self.step)
         self._settle()
-        self._cast = {d: p.dtype for d, p in probes.items() if p.dtype != d}
+        self.weights.cast = {d: p.dtype for d, p in probes.items() if p.dtype != d}
         self.device = device
-        self._ghosts.clear()
+        self.weights.ghosts.clear()
         for name in self.names:
-            self._release(name)
-        managed = {id(g) for g in self._ghosts.values()}
+            self.weights.release(name)
+        managed = {id(g) for g in self.weights.ghosts.values()}
         for module in self.model.modules():
             for table in (module._parameters, module._buffers):
                 for attr, t in table.items():

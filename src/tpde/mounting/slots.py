@@ -47,7 +47,7 @@ Owned = tuple[str, str, bool, Slot]
 
 
 @dataclass
-class Plan:
+class Layout:
     """A mounted model's tensors, by unit. ``packs`` are the records that hold several small
     tensors (``tree.pack``), ``stored`` the model's state-dict keys the step holds."""
 
@@ -62,7 +62,7 @@ UNITS: tuple[type, ...] = (torch.nn.MultiheadAttention, torch.nn.TransformerEnco
                            torch.nn.TransformerDecoderLayer)
 
 
-def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...]) -> Plan:
+def layout(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...]) -> Layout:
     """Every state-dict tensor of ``model`` matched to the step's stored tensor of the same
     name (under a prefix or container) and shape, grouped by the unit that decodes it."""
     units = UNITS + tuple(units)
@@ -92,7 +92,7 @@ def plan(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, ...
         module = model.get_submodule(owner)
         out.setdefault(_unit(model, owner, units), []).append(
             (owner, attr, attr in module._parameters, slot))
-    return Plan(out, {r.name for r in m.records if r.parts}, set(found))
+    return Layout(out, {r.name for r in m.records if r.parts}, set(found))
 
 
 def span_buffers(chain: Chain, step: int, owned: list[Owned],

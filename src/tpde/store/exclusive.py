@@ -26,7 +26,7 @@ import threading
 import uuid
 from typing import Iterator
 
-from tpde.store.store import Store, _fsync_dir, write_error
+from tpde.store.store import Store, fsync_dir, write_error
 
 try:
     import fcntl
@@ -96,7 +96,7 @@ def _create_local(store: Store, rel: str, path: str, data: bytes) -> None:
                 if os.path.lexists(path):
                     raise FileExistsError(errno.EEXIST, "exists", path) from None
                 os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        fsync_dir(os.path.dirname(path))
     except FileExistsError:
         raise
     except OSError as exc:

@@ -101,6 +101,9 @@ class Entry:
     path: str  # relative to the store root
     size: int
     mtime: float | None
+    #: What identifies this write of the object (an ETag, a generation, an inode and its
+    #: mtime), or None where the listing has nothing exact.
+    version: Any = None
 
 
 #: Ranges of one object closer than this are read as one request (the bytes between are read
@@ -138,6 +141,11 @@ class Store:
         #: save changed them.
         self.changes = 0
         self._open = threading.local()  # files kept open by ``kept_open``, this thread's
+
+    @property
+    def location(self) -> str:
+        """The root as one URL, however it was spelled (``memory://a`` and ``memory:///a``)."""
+        return self.fs.unstrip_protocol(self.root)
 
     def _retry(self, what: str, op: Callable[[], T], nbytes: int = 0, *,
                writes: bool = False) -> T:
@@ -184,6 +192,9 @@ class Store:
         raise StoreError(f"cannot {what} {self.url}: {type(last).__name__}: {last}") from last
 
     def _abs(self, rel: str) -> str:
+        """``rel``'s path in the filesystem; ``""`` is the store's root itself."""
+        if not rel:
+            return self.root
         return f"{self.root}/{rel}" if self.root else rel
 
     def _rel(self, path: str) -> str:
@@ -209,7 +220,7 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as exc:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -237,6 +248,15 @@ class Store:
         self.changes += 1
         try:
             self._retry(f"delete {rel} in", lambda: self.fs.rm_file(self._abs(rel)))
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, rel: str) -> None:
+        """Delete the folder ``rel`` and everything under it (a folder a sharded strategy
+        wrote without tpde, at a checkpoint path)."""
+        self.changes += 1
+        try:
+            self._retry(f"delete {rel} in", lambda: self.fs.rm(self._abs(rel), recursive=True))
         except FileNotFoundError:
             pass
 
@@ -345,6 +365,24 @@ class Store:
     def exists(self, rel: str) -> bool:
         return bool(self._retry(f"look up {rel} in", lambda: self.fs.exists(self._abs(rel))))
 
+    def kind(self, rel: str) -> str | None:
+        """``"file"``, ``"directory"`` or None (nothing there) for ``rel`` (``""``: the root)."""
+        def look() -> str | None:
+            try:
+                found = self.fs.info(self._abs(rel))
+            except FileNotFoundError:
+                return None
+            return "directory" if found.get("type") == "directory" else "file"
+        return self._retry(f"look up {rel or 'the root'} in", look)
+
+    def size(self, rel: str) -> int:
+        """The bytes of object ``rel``; a missing one raises ``FileNotFoundError``."""
+        return int(self._retry(f"look up {rel} in", lambda: self.fs.size(self._abs(rel))) or 0)
+
+    def open_read(self, rel: str) -> BinaryIO:
+        """A file object reading ``rel`` (a plain checkpoint handed to ``torch.load``)."""
+        return self._retry(f"open {rel} in", lambda: self.fs.open(self._abs(rel), "rb"))
+
     def list(self, prefix: str) -> Iterator[Entry]:
         """Objects under ``prefix`` (one level), with sizes and modification times."""
         try:
@@ -355,7 +393,8 @@ class Store:
         for item in items:
             if item.get("type") == "directory":
                 continue
-            yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item))
+            yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item),
+                        _version(item))
 
 
 
@@ -397,7 +436,18 @@ def _mtime(item: dict[str, Any]) -> float | None:
     return None
 
 
-def _fsync_dir(path: str) -> None:
+def _version(item: dict[str, Any]) -> Any:
+    """What identifies one write of a listed object, or None where the listing has nothing
+    exact."""
+    for key in ("ETag", "etag", "generation"):
+        if item.get(key):
+            return item[key]
+    if item.get("ino") is not None:  # atomic replacement on disk makes a new inode
+        return (item["ino"], item.get("mtime"))
+    return None
+
+
+def fsync_dir(path: str) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -498,7 +548,7 @@ class BlobWriter:
                 self._flush()
                 os.fsync(self._f.fileno())
                 self._f.close()
-                _fsync_dir(os.path.dirname(self.store._abs(self.rel)))
+                fsync_dir(os.path.dirname(self.store._abs(self.rel)))
             else:  # the last part and the completing request
                 _bounded(self._f.close, self.size)
         except Exception as exc:  # remote backends also raise timeouts and client errors
