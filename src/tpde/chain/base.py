@@ -215,10 +215,11 @@ class ChainBase:
                     todo.append(ref)
         return seen
 
-    def _sizes(self) -> dict[str, int]:
+    def sizes(self) -> dict[str, int]:
+        """The bytes of every blob and manifest, by path."""
         return {e.path: e.size for prefix in (DATA, STEPS) for e in self.store.list(prefix)}
 
-    def _purge(self, step: int, report: GcReport, sizes: dict[str, int]) -> None:
+    def purge(self, step: int, report: GcReport, sizes: dict[str, int]) -> None:
         """Delete a step nothing needs: manifest first (it stops being a step), then its blob
         and tombstone."""
         try:

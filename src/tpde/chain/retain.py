@@ -54,10 +54,10 @@ class Retainer(Writer):
         self.rebase(kept, settings=settings, keyframe_every=keyframe_every, report=report,
                     later=later)
         needed = self.needed(keep)
-        sizes = self._sizes()
+        sizes = self.sizes()
         for step in self.committed():
             if step not in needed:
-                self._purge(step, report, sizes)
+                self.purge(step, report, sizes)
         return report
 
     def rebase(self, kept: Iterable[int], *, settings: encoder.Settings | None = None,

@@ -175,4 +175,4 @@ class Writer(Reader):
             raise StepExistsError("was removed, but later steps still need its data, so the "
                                   "number cannot be reused yet; save under a new step",
                                   run=self.url, step=step)
-        self._purge(step, GcReport(), self._sizes())
+        self.purge(step, GcReport(), self.sizes())
