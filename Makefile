@@ -22,8 +22,12 @@ install-dev: $(ENV)
 demo: install
 	$(PYTHON) examples/quickstart.py
 
+# Test workers (pytest-xdist): each runs whole tests, several of which start processes of
+# their own; `make test WORKERS=0` runs the suite in one process.
+WORKERS ?= 2
+
 test: install-dev
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n $(WORKERS)
 
 # `make bench QUICK=1` is the same as `make bench-quick`.
 bench: install-dev

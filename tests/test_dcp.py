@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import tpde
-from tpde.chain import Chain
 import tpde.dcp
+from forked import Forked
+from tpde.chain import Chain
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(world: int, *args: object, env: dict[str, str] | None = None
-          ) -> list[subprocess.Popen]:
-    """``dcp_worker.py`` started as ``world`` processes of one gloo group."""
+def start(world: int, *args: object, env: dict[str, str] | None = None) -> list[Forked]:
+    """``dcp_worker.py`` started as ``world`` processes of one gloo group (forked from a
+    server that imported torch and tpde once: ``forked.py``)."""
     port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, **(env or {}), "RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(Forked(WORKER, [str(a) for a in args], env))
     return procs
 
 
@@ -50,7 +50,7 @@ def ranks(world: int, *args: object, timeout: float = 120, check: bool = True,
     return finish(start(world, *args, env=env), args, timeout=timeout, check=check)
 
 
-def finish(procs: list[subprocess.Popen], args: tuple, *, timeout: float = 120,
+def finish(procs: list[Forked], args: tuple, *, timeout: float = 120,
            check: bool = True) -> list[subprocess.CompletedProcess]:
     """Wait for ranks started by ``start``."""
     world = len(procs)

@@ -184,8 +184,11 @@ def _run_child(folder: str, kill_at: int) -> bool:
     """Run the child; whether it was killed. The run's last operations are what its
     teardown frees, and how much that is depends on how far training had gone when the
     worker looked at the entries: a kill point past a run's end is that run finishing."""
-    done = subprocess.run([sys.executable, __file__, "--child", folder, str(kill_at)],
-                          capture_output=True, text=True, timeout=600)
+    from forked import Forked
+
+    child = Forked(__file__, ["--child", folder, str(kill_at)], dict(os.environ))
+    stdout, stderr = child.communicate(timeout=600)
+    done = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if done.returncode == 0 and kill_at:
         ran = int(done.stdout.rsplit("operations=", 1)[1].split()[0])
         assert ran < kill_at, f"kill point {kill_at} reached in {ran} operations, no kill"
