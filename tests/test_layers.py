@@ -194,3 +194,21 @@ def test_both_stores_implement_the_protocol_themselves() -> None:
     with pytest.raises(TPDEError, match="read-only"):
         resident.put_atomic("x", b"1")
     assert not store.exists("x")
+
+
+def test_each_folder_says_what_it_may_import() -> None:
+    """Every folder's ``__init__`` docstring ends with the packages its modules may import,
+    and they are those of its layer and the layers below."""
+    wrong = []
+    for module, path in modules().items():
+        if path.name != "__init__.py" or module == "tpde":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        said = doc.rpartition("May import:")[2].replace("\n", " ")
+        named = {n.strip(" `.") for n in said.split(",")} if "May import:" in doc else None
+        mine = layer_of(module)
+        allowed = {n for names in LAYERS[: mine + 1] for n in names} - {module, "tpde"}
+        if named != allowed:
+            wrong.append(f"{path.relative_to(ROOT)} says {sorted(named or [])}, "
+                         f"its layer allows {sorted(allowed)}")
+    assert not wrong, "\n".join(wrong)

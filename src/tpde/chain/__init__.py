@@ -14,6 +14,9 @@ A step is written blob first, manifest last, so a crash leaves at most an unrefe
 decisions out (``save`` codes a step's pieces, ``ranks`` a rank's share of a sharded step), and
 ``spans`` puts a rebuilt step's tensors together. Front ends and plugins use the names in
 ``__all__`` alone (``tests/test_layers.py`` checks it).
+
+May import: ``tpde.errors``, ``tpde.runtime``, ``tpde.codec``, ``tpde.kernels``,
+``tpde.state``, ``tpde.manifest``, ``tpde.store``.
 """
 
 from tpde.chain import native, sharded

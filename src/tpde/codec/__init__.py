@@ -4,4 +4,7 @@
 planes, residuals), ``elias`` (changed positions), ``frames`` and ``unframe`` (chunked zstd,
 written and read back), ``quant`` (the opt-in error-bounded coding) and ``dtypes`` (the stored
 dtype table), with their optional C extensions (``_elias``, ``_planes``, ``_zframes``,
-``_rebuild``)."""
+``_rebuild``).
+
+May import: ``tpde.errors``, ``tpde.runtime``.
+"""

@@ -198,9 +198,9 @@ static const char *decode_block(const unsigned char *c, uint64_t size, uint64_t 
 
 /* Blocks decoded side by side. A code's length is known only once the code before it is read,
  * so one block's decode is a chain of dependent steps (a load, a count of leading zeros,
- * shifts): 7.0 ns a code here, one block at a time. LANES blocks in one loop keep the core
- * busy during each other's waits: 4.3 ns, and 2.2-3.0 where most codes are of gaps under 128
- * and come from a table. Only the checks that cost nothing on the way are made: a lane that
+ * shifts). LANES blocks in one loop keep the core busy during each other's waits, the more so
+ * where most codes are of gaps under 128 and come from a table (the figures are in
+ * benchmarks/README.md). Only the checks that cost nothing on the way are made: a lane that
  * finds anything wrong gives the group back to `decode_block`, block by block, which names
  * the first problem as it always has. */
 #define LANES 4

@@ -474,7 +474,7 @@ static PyObject *changed(PyObject *self, PyObject *args) {
 
 /* A residual's words XORed into rows at their positions, which are checked first: no word
  * changes unless all of them lie in rows. numpy's `rows[at] ^= residual` gathers, XORs and
- * scatters in passes of their own: 3.0 ns a position for 4.8M bf16 words in 22M, this 1.8. */
+ * scatters in passes of their own; this is one pass. */
 #define XOR_AT(T)                                                                    \
     {                                                                                \
         T *w = (T *)r;                                                               \

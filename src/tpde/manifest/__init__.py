@@ -6,6 +6,9 @@ covered by each record's hash of the restored words. From format 3 it is stored 
 frame: its record lists repeat the same keys for every tensor and compress about tenfold, and a
 run holds one manifest per step. ``parse`` validates every field before anything is allocated
 from it (read lazily, as a chain's reader reads it, each record when it is first used).
+
+May import: ``tpde.errors``, ``tpde.runtime``, ``tpde.codec``, ``tpde.kernels``,
+``tpde.state``.
 """
 
 from __future__ import annotations
