@@ -36,10 +36,14 @@ def _context() -> Any:
     return _CONTEXT
 
 
-def _run(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """In the worker: the environment and output a subprocess would have, then ``script``."""
+def _run(script: str, argv: list[str], env: dict[str, str], out: str, err: str,
+         cwd: str | None = None) -> None:
+    """In the worker: the environment, folder and output a subprocess would have, then
+    ``script`` (a path), or the module ``-m NAME`` names, as ``__main__``."""
     os.environ.clear()
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(f, fd)
@@ -51,6 +55,11 @@ def _run(script: str, argv: list[str], env: dict[str, str], out: str, err: str) 
         import torch
 
         torch.set_num_threads(int(threads))
+    if script.startswith("-m "):  # as ``python -m``: the current folder first on the path
+        sys.argv = [script, *argv]
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(script[3:], run_name="__main__", alter_sys=True)
+        return
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
@@ -59,12 +68,13 @@ def _run(script: str, argv: list[str], env: dict[str, str], out: str, err: str) 
 class Forked:
     """A forked worker with the parts of ``subprocess.Popen`` the tests use."""
 
-    def __init__(self, script: str, argv: list[str], env: dict[str, str]) -> None:
-        self.args = [sys.executable, script, *argv]
+    def __init__(self, script: str, argv: list[str], env: dict[str, str],
+                 cwd: str | None = None) -> None:
+        self.args = [sys.executable, *script.split(" ", 1), *argv]
         self._dir = tempfile.mkdtemp(prefix="tpde-forked-")
         self._out, self._err = os.path.join(self._dir, "out"), os.path.join(self._dir, "err")
         self._proc = _context().Process(target=_run, args=(script, argv, env, self._out,
-                                                           self._err))
+                                                           self._err, cwd))
         self._proc.start()
         self.pid = self._proc.pid
         weakref.finalize(self, shutil.rmtree, self._dir, True)
@@ -92,3 +102,16 @@ class Forked:
         self.wait(timeout)
         with open(self._out) as out, open(self._err) as err:
             return out.read(), err.read()
+
+
+def run_module(module: str, *argv: str, cwd: str | None = None, timeout: float = 300
+               ) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV...`` in a forked worker, as ``subprocess.run(...,
+    capture_output=True, text=True)`` would give it: the exit status, stdout and stderr."""
+    worker = Forked(f"-m {module}", list(argv), dict(os.environ), cwd)
+    try:
+        out, err = worker.communicate(timeout=timeout)
+    finally:
+        worker.kill()
+    return subprocess.CompletedProcess(worker.args, worker.returncode, out, err)
+

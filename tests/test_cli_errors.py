@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import tpde
+from forked import run_module
 
 
 def tpde_cli(*argv: str, cwd: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpde.cli", *argv], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
+    """``python -m tpde.cli ARGV...``, forked from a server that imported tpde once."""
+    return run_module("tpde.cli", *argv, cwd=cwd)
 
 
 @pytest.fixture()

@@ -7,20 +7,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import tpde
+from forked import run_module
 from tpde.entries import checkpoint_folder, entry
 
 pytest.importorskip("lightning", reason="needs Lightning: pip install 'tpde[dev]'")
 
 
 def tpde_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpde.cli", *argv], capture_output=True,
-                          text=True, timeout=300)
+    """``python -m tpde.cli ARGV...``, forked from a server that imported tpde once."""
+    return run_module("tpde.cli", *argv)
 
 
 def state(i: int) -> dict:

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -18,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tpde
+from forked import run_module
 from tpde.codec import decoder, encoder, transform, unframe
 
 DTYPES = {"float32": (torch.float32, torch.int32), "bfloat16": (torch.bfloat16, torch.int16),
@@ -299,8 +299,8 @@ def test_restore_of_a_lossy_step_warns_once(tmp_path) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpde.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    """``python -m tpde.cli ARGS...``, forked from a server that imported tpde once."""
+    return run_module("tpde.cli", *args)
 
 
 def test_every_interface_says_a_step_is_lossy(tmp_path) -> None:

@@ -6,12 +6,12 @@ import copy
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import tpde
+from forked import run_module
 from helpers import assert_same, decode_depths
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
@@ -42,8 +42,7 @@ def cli(*args: str, storage: dict | None = None) -> subprocess.CompletedProcess:
             opts += [f"-o{k}.{kk}={vv}" for kk, vv in v.items()]
         else:
             opts += [f"-o{k}={json.dumps(v) if isinstance(v, bool) else v}"]
-    return subprocess.run([sys.executable, "-m", "tpde.cli", *args, *opts], capture_output=True,
-                          text=True, timeout=300)
+    return run_module("tpde.cli", *args, *opts)
 
 
 def test_attach_on_s3_restores_every_step_bit_exactly_through_the_cli_and_the_api(s3_server, tmp_path) -> None:
