@@ -13,13 +13,11 @@ ENV := $(filter $(VENV)/bin/python,$(PYTHON))
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 
-# --no-compile: modules are byte-compiled as they are first imported, not all of torch's at
-# install.
 install: $(ENV)
-	$(PIP) install -q --no-compile "$(TORCH)" -e .
+	$(PIP) install -q "$(TORCH)" -e .
 
 install-dev: $(ENV)
-	$(PIP) install -q --no-compile "$(TORCH)" -e ".[dev]"
+	$(PIP) install -q "$(TORCH)" -e ".[dev]"
 
 demo: install
 	$(PYTHON) examples/quickstart.py

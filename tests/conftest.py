@@ -84,3 +84,10 @@ def store_url(request: pytest.FixtureRequest, tmp_path) -> tuple[str, dict[str, 
         return f"memory://tpde-tests/{run}", None
     server = request.getfixturevalue("s3_server")
     return f"s3://tpde/{run}", server["options"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (real training, many processes) first, in their order: with
+    several workers (``make test``) the longest start at once instead of one of them running
+    alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

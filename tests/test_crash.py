@@ -18,6 +18,7 @@ def test_every_kill_point_on_local_disk(tmp_path) -> None:
 
 
 @pytest.mark.s3
+@pytest.mark.slow
 def test_kill_points_on_s3(s3_server) -> None:
     """Each third kill point: the local test tries them all; the S3 store's own operations
     (puts, deletes, listings) are among those tried. ``python tests/campaigns/crash.py --s3``
