@@ -25,7 +25,7 @@ import tpde
 import tpde.dcp
 from helpers import assert_same, decode_depths
 from tpde.codec import encoder
-from tpde.store import store
+from tpde.store import blob, store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
 
@@ -768,19 +768,19 @@ def test_a_local_blob_is_handed_to_the_disk_as_it_is_written(tmp_path, monkeypat
     """Every WRITEBACK_BYTES a local blob's new bytes are handed to the disk (where the OS
     can be asked to): ranges that follow each other from the start, of flushed bytes, and a
     step that restores exactly."""
-    if store._WRITEBACK is None:
+    if blob._WRITEBACK is None:
         pytest.skip("no sync_file_range here")
     handed: list[tuple[int, int]] = []
-    real = store._WRITEBACK
+    real = blob._WRITEBACK
 
     def record(fd: int, offset: int, length: int) -> int:
         assert os.fstat(fd).st_size >= offset + length  # flushed before it is handed over
         handed.append((offset, length))
         return real(fd, offset, length)
 
-    monkeypatch.setattr(store, "_WRITEBACK", record)
-    monkeypatch.setattr(store, "WRITEBACK_BYTES", 1 << 16)
-    monkeypatch.setattr(store, "WRITE_BUFFER", 1 << 15)  # frames reach the file this often
+    monkeypatch.setattr(blob, "_WRITEBACK", record)
+    monkeypatch.setattr(blob, "WRITEBACK_BYTES", 1 << 16)
+    monkeypatch.setattr(blob, "WRITE_BUFFER", 1 << 15)  # frames reach the file this often
     ck = tpde.Checkpointer(str(tmp_path / "r"), chunk_bytes=4096)
     state = {"w": torch.randn(200_000, generator=torch.Generator().manual_seed(0))}
     ck.save(0, state)

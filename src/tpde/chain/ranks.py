@@ -21,7 +21,7 @@ from tpde.chain.save import record_of
 from tpde.chain.write import PIECE_BYTES, Writer
 from tpde.codec import dtypes, encoder, transform
 from tpde.manifest import Manifest, Record, format_for, record_hash
-from tpde.store.store import BlobWriter
+from tpde.store.blob import BlobWriter
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from tpde.chain.read import Reader
 from tpde.codec import dtypes, encoder, frames, quant, transform
 from tpde.manifest import Record, SectionRef, record_hash
 from tpde.runtime import frame_threads
-from tpde.store.store import BlobWriter
+from tpde.store.blob import BlobWriter
 
 #: Pieces smaller than this are encoded in batches of about this size, one task each: a task
 #: per small tensor cost more in hand-offs between threads than in coding.

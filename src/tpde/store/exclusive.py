@@ -26,7 +26,8 @@ import threading
 import uuid
 from typing import Iterator
 
-from tpde.store.store import Store, fsync_dir, write_error
+from tpde.store.blob import fsync_dir, write_error
+from tpde.store.store import Store
 
 try:
     import fcntl

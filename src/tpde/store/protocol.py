@@ -8,7 +8,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, BinaryIO, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from tpde.store.store import BlobWriter, Entry
+    from tpde.store.blob import BlobWriter
+    from tpde.store.store import Entry
 
 
 @runtime_checkable

@@ -11,7 +11,8 @@ from typing import BinaryIO, Iterator, NoReturn
 
 from tpde.errors import TPDEError
 from tpde.store.protocol import ByteStore
-from tpde.store.store import BlobWriter, Entry
+from tpde.store.blob import BlobWriter
+from tpde.store.store import Entry
 
 
 class ResidentStore(ByteStore):

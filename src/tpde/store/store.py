@@ -7,8 +7,6 @@ rename on local disk after fsync, a single PUT on object stores, which are atomi
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import mmap
 import os
 import random
@@ -22,6 +20,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from tpde.errors import StoreError
+from tpde.store.blob import BlobWriter, fsync_dir, write_error
 
 _INSTALL_HINT = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
 T = TypeVar("T")
@@ -32,19 +31,6 @@ RETRIES, BACKOFF_S, BACKOFF_MAX_S = 6, 0.1, 4.0
 #: bytes at MIN_RATE) would be passed: a server that stops answering ends in a StoreError
 #: within the budget, and one that never answered fails at its first deadline.
 OP_TIMEOUT_S, RETRY_BUDGET_S, MIN_RATE = 20.0, 60.0, 1 << 20
-#: A local blob's written bytes are handed to the disk every WRITEBACK_BYTES, while the rest is
-#: still being coded, so that the fsync before its commit has little left to wait for; a
-#: larger interval left a small step's blob half to its fsync, and made small saves slower
-#: (``benchmarks/README.md``).
-WRITEBACK_BYTES = 1 << 20
-#: A local blob's frames are held (not copied) until this many bytes are pending, then handed
-#: to the file in one ``writev``: the frames of small tensors are a few kB each, and with
-#: Python's default 8 kB buffer every other one was a system call of its own; a buffered
-#: file copies each frame into its buffer holding the GIL, where ``writev`` copies them into
-#: the page cache without it.
-WRITE_BUFFER = 1 << 20
-#: Frames per ``writev`` call (Linux's IOV_MAX).
-WRITE_PARTS = 1024
 
 
 _UNREACHABLE = ("EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
@@ -73,7 +59,7 @@ def unreachable(url: str, exc: BaseException) -> StoreError:
                       "option client_kwargs.endpoint_url) and the network")
 
 
-def _bounded(op: Callable[[], T], nbytes: int = 0) -> T:
+def bounded(op: Callable[[], T], nbytes: int = 0) -> T:
     """Run ``op`` with a deadline. A late op keeps running on its daemon thread, its result
     unused; a daemon thread, so that a server that never answers cannot hold up exit either."""
     limit = OP_TIMEOUT_S + nbytes / MIN_RATE
@@ -163,7 +149,7 @@ class Store:
         budget = RETRY_BUDGET_S + nbytes / MIN_RATE
         for attempt in range(attempts):
             try:
-                value = op() if self.local else _bounded(op, nbytes)
+                value = op() if self.local else bounded(op, nbytes)
                 self.answered = True
                 return value
             except FileNotFoundError as exc:
@@ -240,7 +226,7 @@ class Store:
                 pass
             raise
 
-    def open_write(self, rel: str) -> "BlobWriter":
+    def open_write(self, rel: str) -> BlobWriter:
         """A streaming writer for a new, not yet committed object."""
         return BlobWriter(self, rel)
 
@@ -445,123 +431,3 @@ def _version(item: dict[str, Any]) -> Any:
     if item.get("ino") is not None:  # atomic replacement on disk makes a new inode
         return (item["ino"], item.get("mtime"))
     return None
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def write_error(verb: str, where: str, exc: BaseException) -> StoreError:
-    """A failed write, with what to do when the disk or quota is full."""
-    hint = ""
-    if isinstance(exc, OSError) and exc.errno in _FULL:
-        hint = ("; the step was not committed and every committed step is intact: free space "
-                "(`tpde gc` deletes data no step needs) and save again")
-    return StoreError(f"cannot {verb} {where}: {exc}{hint}")
-
-
-def _start_writeback() -> Callable[[int, int, int], Any] | None:
-    """Linux's ``sync_file_range`` asked to start writing a range out without waiting for it,
-    the way RocksDB's ``bytes_per_sync`` does (None elsewhere: the fsync does it all). Its
-    result is not looked at: it is a hint, and the fsync reports what went wrong."""
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError, TypeError):  # not Linux
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    write = 2  # SYNC_FILE_RANGE_WRITE
-    return lambda fd, offset, length: call(fd, offset, length, write)
-
-
-_WRITEBACK = _start_writeback()
-_WRITEV = hasattr(os, "writev")  # POSIX; elsewhere a frame per call
-
-
-class BlobWriter:
-    """Appends bytes to a new object and reports offsets, so records can point into it."""
-
-    def __init__(self, store: Store, rel: str) -> None:
-        self.store, self.rel, self.size = store, rel, 0
-        self._handed = 0  # bytes of a local blob already handed to the disk
-        self._pending: list[bytes | memoryview] = []  # held frames, not yet in the file
-        self._written = 0  # bytes of a local blob in the file
-        path = store._abs(rel)
-        try:
-            if store.local:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                self._f: BinaryIO = open(path, "wb", buffering=0)
-            else:
-                self._f = store.fs.open(path, "wb")
-        except OSError as exc:
-            raise write_error("create", f"{store.url}/{rel}", exc) from exc
-
-    def write(self, data: bytes | memoryview) -> int:
-        """Append ``data``; returns the offset it starts at. A local blob holds ``data`` until
-        it is written out (``WRITE_BUFFER``): callers do not change it after handing it over."""
-        at = self.size
-        try:
-            if self.store.local:
-                self._pending.append(data)
-                if at + len(data) - self._written >= WRITE_BUFFER:
-                    self._flush()
-            else:  # a part upload may start here
-                _bounded(lambda: self._f.write(data), len(data))
-        except Exception as exc:  # remote backends also raise timeouts and client errors
-            raise write_error("write", f"{self.store.url}/{self.rel}", exc) from exc
-        self.size += len(data)
-        return at
-
-    def _flush(self) -> None:
-        """The held frames into the local file, and the bytes written since the last
-        hand-over to the disk, once there are enough."""
-        fd, parts = self._f.fileno(), self._pending
-        while parts:
-            done = os.writev(fd, parts[:WRITE_PARTS]) if _WRITEV else os.write(fd, parts[0])
-            self._written += done
-            whole = 0  # parts written in full
-            while whole < len(parts) and done >= len(parts[whole]):
-                done -= len(parts[whole])
-                whole += 1
-            del parts[:whole]
-            if done:  # a short write ended inside the next part
-                parts[0] = memoryview(parts[0])[done:]
-        if _WRITEBACK is not None and self._written - self._handed >= WRITEBACK_BYTES:
-            _WRITEBACK(fd, self._handed, self._written - self._handed)
-            self._handed = self._written
-
-    def close(self) -> None:
-        """Make the bytes durable (fsync locally, and of the folder, so that the file's name
-        survives a power loss before a manifest names it; the final multipart PUT on object
-        stores)."""
-        try:
-            if self.store.local:
-                self._flush()
-                os.fsync(self._f.fileno())
-                self._f.close()
-                fsync_dir(os.path.dirname(self.store._abs(self.rel)))
-            else:  # the last part and the completing request
-                _bounded(self._f.close, self.size)
-        except Exception as exc:  # remote backends also raise timeouts and client errors
-            raise write_error("finish", f"{self.store.url}/{self.rel}", exc) from exc
-
-    def abort(self) -> None:
-        """Drop a failed write: a pending multipart upload is discarded, not completed."""
-        try:
-            discard = getattr(self._f, "discard", None)
-            if discard is not None:
-                discard()
-            else:
-                self._f.close()
-        except Exception:  # the write already failed; the object is garbage either way
-            pass
-        self.store.delete(self.rel)
