@@ -9,13 +9,11 @@ and done here, with the same piece cuts, re-keying and record coding as a whole 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
 
-from tpde.chain.base import DATA, name
 from tpde.chain.plan import batches, candidates, cut, piece_starts, plan_keys, record_depth
 from tpde.chain.save import record_of
 from tpde.chain.write import PIECE_BYTES, Writer
@@ -81,7 +79,7 @@ class RankSave:
                  held: Held | None, choices: dict[str, encoder.Choice], keep: bool) -> None:
         self.chain, self.step, self.settings = chain, step, settings
         self.keyframe_every, self.choices = keyframe_every, choices
-        self.blob_name = f"{DATA}/{name(step)}-r{rank}-{uuid.uuid4().hex[:12]}.tpd"
+        self.blob_name = chain.blob_for(step, f"r{rank}")
         self.prev = chain.manifest(reference) if reference is not None else None
         self.most = max(1, max_inflight_bytes // 2)
         self.per = min(PIECE_BYTES, self.most)
@@ -149,19 +147,20 @@ def commit_shards(chain: Writer, step: int, shares: Sequence[Share], *, skeleton
     """Commit ``step`` from every rank's shares (their blobs durable), each record naming the
     blob it is in; ``layout`` is the engine's metadata as JSON, ``started`` when the save
     began (``time.perf_counter``)."""
-    blobs: dict[str, dict[str, Any]] = {}
+    blobs: dict[str, int] = {}  # each rank's blob, by its index in the manifest's shards
+    sizes: list[int] = []
     records: list[Record] = []
     for share in shares:
         if share.blob not in blobs:
-            blobs[share.blob] = {"blob": share.blob, "size": share.size}
-        index = list(blobs).index(share.blob)
-        records += [replace(r, shard=index) for r in share.records]
+            blobs[share.blob] = len(sizes)
+            sizes.append(share.size)
+        records += [replace(r, shard=blobs[share.blob]) for r in share.records]
     refs = {r.ref for r in records if r.ref is not None}
     deepest = max((record_depth(chain.lazy(), r) for r in records), default=0)
     m = Manifest(step=step, keyframe=not refs, depth=deepest,
                  parent=max(refs) if refs else None, blob=None, blob_size=0,
                  created=time.time(), seconds=time.perf_counter() - started,
                  skeleton=skeleton, records=records, format=format_for(records, sharded=True),
-                 shards=list(blobs.values()), dcp=layout)
+                 shards=[{"blob": b, "size": sizes[i]} for b, i in blobs.items()], dcp=layout)
     chain.mark_run()
     return chain.commit(m, new=True)

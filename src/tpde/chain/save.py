@@ -136,8 +136,8 @@ class StepSave:
                  blob: BlobWriter, settings: encoder.Settings, *, keep_reference: bool,
                  owned: bool, bounds: Callable[..., quant.Bound | None] | None) -> None:
         self.chain, self.plan, self.reference, self.blob = chain, plan, reference, blob
-        self.settings, self.keep, self.owned, self.bounds = settings, keep_reference, owned, \
-            bounds
+        self.settings, self.keep, self.owned = settings, keep_reference, owned
+        self.bounds = bounds
         self.prev = chain.manifest(plan.reference) if plan.reference is not None else None
         self.saved = Saved()
         #: While every piece so far was bit-identical to the held words of the step before.

@@ -37,8 +37,10 @@ PACK_MOST = 256 << 10
 class Writer(Reader):
     """Committing steps."""
 
-    def blob_for(self, step: int) -> str:
-        return f"{DATA}/{name(step)}-{uuid.uuid4().hex[:12]}.tpd"
+    def blob_for(self, step: int, writer: str = "") -> str:
+        """A new blob's name for ``step``; ``writer`` (a rank: ``r3``) tells writers of one
+        step apart."""
+        return f"{DATA}/{name(step)}-{writer + '-' if writer else ''}{uuid.uuid4().hex[:12]}.tpd"
 
     def mark_run(self, against: str | None = None) -> None:
         """Make the folder a run (``tpde.json``), if it is not one yet, and have the marker say

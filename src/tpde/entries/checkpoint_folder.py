@@ -84,7 +84,7 @@ def survey(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None
                 seen[key] = _listed(url, storage_options)
             except FileNotFoundError:
                 continue  # removed meanwhile
-        found, base = seen[key], name.rstrip("/").rsplit("/", 1)[-1]
+        found, base = seen[key], name
         if isinstance(found, Damaged):
             out.damaged[base] = found
             continue
