@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tpde.codec import encoder
+from tpde.codec import encoding
 from tpde.codec.frames import Section, raw_sizes
 from tpde.codec.unframe import check_declared
 from tpde.errors import FormatError
@@ -157,9 +157,9 @@ def decompress(frames: Sequence[bytes | memoryview], raw: int, chunk: int,
 
 
 def _on_device(planes: torch.Tensor, level: int | None, chunk: int) -> Section | None:
-    """The codec's compressor of CUDA words (``encoder.DEVICE_COMPRESSORS``): nvCOMP's zstd
+    """The codec's compressor of CUDA words (``encoding.DEVICE_COMPRESSORS``): nvCOMP's zstd
     where it is installed, else None (the codec then compresses on the host)."""
     return compress(planes, level=level, chunk=chunk) if available() else None
 
 
-encoder.DEVICE_COMPRESSORS["cuda"] = _on_device
+encoding.DEVICE_COMPRESSORS["cuda"] = _on_device

@@ -186,7 +186,7 @@ class Writer(OnRun, StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         key = (self.chain.url, self.rank)
         host = self.reference == "host"
-        save = RankSave(self.chain, self.step, self.rank, shared.reference,
+        save = RankSave(self.chain.writer, self.step, self.rank, shared.reference,
                         settings=self.settings, keyframe_every=self.keyframe_every,
                         max_inflight_bytes=self.max_inflight_bytes,
                         held=_HELD.get(key) if host else None,
@@ -209,7 +209,7 @@ class Writer(OnRun, StorageWriter):
                 shares.append(wr.storage_data)
                 key = (wr.index.fqn, None if wr.index.offset is None else tuple(wr.index.offset))
                 storage[key] = [r.name for r in wr.storage_data.records]
-        commit_shards(self.chain, self.step, shares, skeleton=layout.skeleton(metadata),
+        commit_shards(self.chain.writer, self.step, shares, skeleton=layout.skeleton(metadata),
                       layout=layout.to_json(metadata, storage, len(results)),
                       started=self._started)
 

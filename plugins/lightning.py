@@ -17,7 +17,6 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from tpde.entries import checkpoint_folder
 from tpde.entries import entry as entries
 from tpde.errors import TPDEError
 from tpde.plugins import pending, trainer_state, writers
+from tpde.plugins.ledger import Ledger, SaveReport
 from tpde.plugins.worker import Job, Worker
 from tpde.runtime import frame_threads
 
@@ -40,24 +40,6 @@ _BASES = trainer_state.import_all(("lightning.fabric.plugins", "lightning_fabric
                      "TorchCheckpointIO")
 if not _BASES:
     raise ImportError("TPDECheckpointIO needs Lightning: pip install 'tpde[lightning]'")
-
-
-@dataclass(frozen=True)
-class SaveReport:
-    """What one checkpoint cost: bytes, and how long the training loop waited for it."""
-
-    path: str
-    step: int
-    keyframe: bool
-    raw_bytes: int
-    stored_bytes: int
-    stall_ms: float  # the training thread: waiting for room, then the snapshot
-    write_seconds: float  # the background: encode, upload, commit, entry
-    codecs: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / max(1, self.stored_bytes)
 
 
 class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
@@ -112,16 +94,12 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
         self.chain_dir = chain_dir
-        self.reports: list[SaveReport] = []
-        self.freed_bytes = 0
+        self.ledger = Ledger()
         self.max_pending = max_pending
         self._start()
 
     def _start(self) -> None:
         self._used: set[str] = set()  # the runs (``writers``) this plugin writes
-        # Each run's visible steps (raw bytes, count) as last counted, kept up by its saves:
-        # counting lists the run's steps, which made each save's log line O(steps).
-        self._kept: dict[str, tuple[int, int]] = {}
         self._room = threading.Semaphore(self.max_pending + 1)
         self._worker = Worker("tpde-lightning")
         self._seen: checkpoint_folder.Seen = {}
@@ -262,7 +240,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             self.wait()
         finally:
             for url in sorted(self._used):
-                self.freed_bytes += writers.release(url, self).freed_bytes
+                self.ledger.freed_bytes += writers.release(url, self).freed_bytes
             self._used.clear()
             frame_threads.stop()
 
@@ -270,6 +248,16 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
     def wait(self) -> None:
         """Block until queued saves and removals are done; raise the first that failed."""
         self._worker.wait()
+
+    @property
+    def reports(self) -> list[SaveReport]:
+        """Every save's report, in the order they were committed."""
+        return self.ledger.reports
+
+    @property
+    def freed_bytes(self) -> int:
+        """The bytes this plugin's removals and teardowns freed."""
+        return self.ledger.freed_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -311,47 +299,19 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
             run=self.chain_dir, run_url=ckpt.chain.url, step=step,
             blob=ckpt.chain.manifest(step).id, raw_bytes=info.raw_bytes,
             stored_bytes=info.stored_bytes, meta=meta))
-        report = SaveReport(path, step, info.keyframe, info.raw_bytes, info.stored_bytes,
-                            stall_ms, time.perf_counter() - started, info.codecs)
-        self.reports.append(report)
-        log.info("tpde: %s -> step %d (%s): %.1f MB raw, %.1f MB stored (%.2fx); "
-                 "training waited %.0f ms, written in %.2f s", name, step,
-                 "keyframe" if info.keyframe else "delta", info.raw_bytes / 1e6,
-                 info.stored_bytes / 1e6, report.ratio, stall_ms, report.write_seconds)
+        self.ledger.saved(path, name, info, stall_ms, time.perf_counter() - started)
         if replaced is not None:  # save_last: the step the old entry named may now be free
             self._collect(ckpt, folder, name)
         elif info.run_bytes is not None:
-            self._log_at_rest(ckpt, info.run_bytes, added=info.raw_bytes)
-
-    def _log_at_rest(self, ckpt: Checkpointer, held: int, added: int | None = None) -> None:
-        """The folder's bytes at rest beside the tensor bytes that ``TorchCheckpointIO`` would
-        hold for the same checkpoints (a lower bound of its files: pickling adds a little).
-        ``added``: the raw bytes of a step just saved, where no other step changed."""
-        chain = ckpt.chain
-        kept = self._kept.get(chain.url) if added is not None else None
-        if kept is None:
-            steps = chain.steps()
-            kept = (sum(chain.manifest(s).raw_bytes for s in steps), len(steps))
-        else:
-            kept = (kept[0] + added, kept[1] + 1)
-        self._kept[chain.url] = kept
-        plain, count = kept
-        log.info("tpde: %s holds %.1f MB at rest for %d checkpoints; TorchCheckpointIO would "
-                 "hold at least %.1f MB (%.2fx)", chain.url, held / 1e6, count,
-                 plain / 1e6, plain / max(1, held))
+            self.ledger.at_rest(ckpt.chain, info.run_bytes, added=info.raw_bytes)
 
     def _collect(self, ckpt: Checkpointer, folder: str, name: str) -> None:
         """Hide the steps no entry names any more; their bytes go before the run could hold
         more than ``TorchCheckpointIO`` would, or at teardown (``Checkpointer.remove``'s
         ``defer``): many of a top-k run's removals then cost no re-base."""
         hidden = checkpoint_folder.orphans(ckpt.chain, folder, self.storage_options, self._seen)
-        report = ckpt.remove(*hidden, defer=True)
-        self.freed_bytes += report.freed_bytes
-        log.info("tpde: %s replaced or removed; hid steps %s, re-based %s in %.2f s, "
-                 "purged %s", name, hidden or "none", report.rebased_steps or "none",
-                 report.rebase_seconds, report.purged_steps or "none (within the plain "
-                 "format's bytes: freed when needed)")
-        self._log_at_rest(ckpt, ckpt.chain.at_rest().total)
+        self.ledger.collected(name, hidden, ckpt.remove(*hidden, defer=True))
+        self.ledger.at_rest(ckpt.chain, ckpt.chain.at_rest().total)
 
     def _run(self, job: Job, what: str, background: bool) -> None:
         """Queue ``job`` for the worker, or run it now."""

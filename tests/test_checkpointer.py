@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import tpde
 import tpde.dcp
 from helpers import assert_same, decode_depths
-from tpde.codec import encoder
+from tpde.codec import encoder, weigh
 from tpde.store import blob, store
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf")
@@ -333,8 +333,8 @@ def test_a_writer_codes_each_tensor_as_it_last_chose_until_that_is_due(tmp_path,
     """The full choice between codings (made on samples for a large tensor) runs at the first
     delta, then again only every REVALIDATE deltas; a re-key does not reset it."""
     sampled: list[int] = []
-    sample_starts = tpde.codec.encoder._sample_starts
-    monkeypatch.setattr(tpde.codec.encoder, "_sample_starts",
+    sample_starts = weigh.sample_starts
+    monkeypatch.setattr(weigh, "sample_starts",
                         lambda *a: sampled.append(step) or sample_starts(*a))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300_000, generator=g)

@@ -278,17 +278,18 @@ def test_safetensors_restore_writes_the_model_weights(tmp_path) -> None:
 
 
 def test_load_state_dict_decodes_only_the_model(tmp_path, monkeypatch) -> None:
-    from tpde.chain import Chain
+    from tpde.chain.read import Reader
 
     url, net, _ = _trained(tmp_path)
     decoded: list[str] = []
-    materialize = Chain.materialize
+    materialize = Reader.materialize
 
     def observed(self, step, names=None, **kwargs):
-        decoded.extend(names if names is not None else [r.name for r in self.manifest(step).records])
+        decoded.extend(names if names is not None
+                       else [r.name for r in self.run.manifest(step).records])
         return materialize(self, step, names, **kwargs)
 
-    monkeypatch.setattr(Chain, "materialize", observed)
+    monkeypatch.setattr(Reader, "materialize", observed)
     assert_same(tpde.load_state_dict(url), net.state_dict())
     assert decoded and all(name.startswith("model/") for name in decoded), decoded
     decoded.clear()

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tpde import FormatError
-from tpde.codec import decoder, dtypes, encoder, frames, transform, unframe
+from tpde.codec import decoder, dtypes, encoder, encoding, frames, transform, unframe, weigh
 from tpde.runtime import frame_threads
 
 from helpers import ZSTD, zstd_path
@@ -311,12 +311,12 @@ def test_sampled_choice_agrees_with_the_exact_choice(kind: str, monkeypatch) -> 
     new, ref = _large_pair(kind)
     assert new.numel() * new.element_size() > encoder.EXACT_CHOICE_BYTES
     sampled_calls = []
-    sample_starts = encoder._sample_starts
-    monkeypatch.setattr(encoder, "_sample_starts",
+    sample_starts = weigh.sample_starts
+    monkeypatch.setattr(weigh, "sample_starts",
                         lambda *a: sampled_calls.append(1) or sample_starts(*a))
     sampled = round_trip(new, ref, encoder.Settings())
     assert sampled_calls, "the choice was not made on samples"
-    monkeypatch.setattr(encoder, "EXACT_CHOICE_BYTES", 1 << 62)
+    monkeypatch.setattr(weigh, "EXACT_CHOICE_BYTES", 1 << 62)
     exact = round_trip(new, ref, encoder.Settings())
     assert (sampled.codec, sampled.residual) == (exact.codec, exact.residual)
     assert sampled.stored == exact.stored
@@ -335,10 +335,10 @@ def test_a_close_call_between_sparse_and_dense_is_settled_by_coding_both() -> No
     s = encoder.Settings()
     where = torch.nonzero(nw != rw).reshape(-1)
     sparse = transform.residual(nw[where], rw[where], "xor", "float")
-    full = {("sparse", "xor"): encoder._compress(sparse, s).stored
-            + encoder._positions(where, s).stored}
+    full = {("sparse", "xor"): encoding.compress(sparse, s).stored
+            + encoding.compress_positions(where, s).stored}
     for how in ("xor", "sub"):
-        full[("dense", how)] = encoder._compress(transform.residual(nw, rw, how, "float"), s).stored
+        full[("dense", how)] = encoding.compress(transform.residual(nw, rw, how, "float"), s).stored
     dense = min(full[("dense", "xor")], full[("dense", "sub")])
     assert abs(full[("sparse", "xor")] - dense) < 0.1 * dense  # a close call
     enc = round_trip(new, ref, s)

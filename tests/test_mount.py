@@ -16,6 +16,7 @@ import torch
 import tpde
 from helpers import NATIVE, assert_same, flip_bit, native_path, zstd_path
 from tpde.chain import Chain
+from tpde.chain.read import Reader
 from tpde.cli import main as cli
 from tpde.runtime.frame_threads import usable_cpus
 
@@ -524,13 +525,13 @@ def test_a_pack_is_decoded_once_a_forward(encoder_chain, monkeypatch) -> None:
     packs = {r.name for r in Chain(run).manifest(2).records if r.parts}
     assert packs
     asked: list[set[str]] = []
-    materialize = Chain.materialize
+    materialize = Reader.materialize
 
     def observed(self, step, names=None, **kwargs):
         asked.append(set(names) & packs)
         return materialize(self, step, names, **kwargs)
 
-    monkeypatch.setattr(Chain, "materialize", observed)
+    monkeypatch.setattr(Reader, "materialize", observed)
     model = tpde.mount(run, 2, fresh_encoder, device="cpu", budget=0, prefetch=0)
     with torch.no_grad():
         for forward in range(1, 3):

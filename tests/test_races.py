@@ -40,13 +40,13 @@ def test_a_commit_is_refused_where_another_writer_committed_the_step_meanwhile(t
         ck.save(0, state(9, 0))
     a = tpde.Checkpointer(run, takeover=True)
     b = tpde.Checkpointer(run, takeover=True)
-    commit = a.chain.commit
+    commit = a.chain.writer.commit
 
     def late(m, *, new):
         b.save(1, state(1, 1))
         return commit(m, new=new)
 
-    a.chain.commit = late
+    a.chain.writer.commit = late
     with pytest.raises(tpde.StepExistsError, match="committed by another writer"):
         a.save(1, state(0, 1))
     b.close()

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import tpde
 from helpers import assert_same, decode_depths
 from tpde.chain import Chain
+from tpde.chain.read import Reader
 from tpde.chain.plan import Candidate, plan_keys, plan_rebase
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
@@ -367,8 +368,8 @@ def test_a_rebase_takes_a_steps_words_back_from_the_writers_words_of_the_step_af
     url = str(tmp_path / "r")
     states = words_back_states(3)
     rebuilt: list[tuple[int, list[str]]] = []
-    materialize = Chain.materialize
-    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+    materialize = Reader.materialize
+    monkeypatch.setattr(Reader, "materialize", lambda self, step, names=None, **kw: (
         rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
     ck = tpde.Checkpointer(url)
     for step, state in enumerate(states):
@@ -410,8 +411,8 @@ def test_a_delta_coded_against_an_unchanged_step_is_pointed_at_its_data_when_it_
         f.seek(before.sections["values"].offset)
         stored = f.read(before.sections["values"].length)
     rebuilt: list[tuple[int, list[str]]] = []
-    materialize = Chain.materialize
-    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+    materialize = Reader.materialize
+    monkeypatch.setattr(Reader, "materialize", lambda self, step, names=None, **kw: (
         rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
     report = ck.remove(1)
     assert report.rebased_steps == [2]
@@ -449,8 +450,8 @@ def test_a_damaged_record_of_the_step_after_leaves_a_rebase_to_rebuild_the_linea
         f.seek(values.offset + values.length - 8)
         f.write(bytes([byte[0] ^ 0xFF]))
     rebuilt: list[tuple[int, list[str]]] = []
-    materialize = Chain.materialize
-    monkeypatch.setattr(Chain, "materialize", lambda self, step, names=None, **kw: (
+    materialize = Reader.materialize
+    monkeypatch.setattr(Reader, "materialize", lambda self, step, names=None, **kw: (
         rebuilt.append((step, sorted(names or []))), materialize(self, step, names, **kw))[1])
     ck.remove(0)
     assert rebuilt == [(1, ["w"])]  # the others were taken back

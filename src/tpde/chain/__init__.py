@@ -12,8 +12,10 @@ A step is written blob first, manifest last, so a crash leaves at most an unrefe
 (deleted by ``gc``) and never a visible half step. The jobs live in their own modules:
 ``plan`` decides (pure functions of manifests), ``read``, ``write`` and ``retain`` carry the
 decisions out (``save`` codes a step's pieces, ``ranks`` a rank's share of a sharded step), and
-``spans`` puts a rebuilt step's tensors together. Front ends and plugins use the names in
-``__all__`` alone (``tests/test_layers.py`` checks it).
+``spans`` puts a rebuilt step's tensors together. ``Chain`` (``chain.chain``), what front ends
+hold, composes a run (``base.Run``: listings and manifests) with its ``Reader``, ``Writer`` and
+``Retainer``. Front ends and plugins use the names in ``__all__`` alone (``tests/test_layers.py``
+checks it).
 
 May import: ``tpde.errors``, ``tpde.runtime``, ``tpde.codec``, ``tpde.kernels``,
 ``tpde.state``, ``tpde.manifest``, ``tpde.store``.
@@ -21,18 +23,14 @@ May import: ``tpde.errors``, ``tpde.runtime``, ``tpde.codec``, ``tpde.kernels``,
 
 from tpde.chain import native, sharded
 from tpde.chain.base import DATA, MARKER, REMOVED, STEPS, GcReport, Problem, Reads, Reference
+from tpde.chain.chain import Chain
 from tpde.chain.options import SaveOptions, whole
 from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, DELTAS_AGAINST, KEYFRAME, PREVIOUS, AtRest,
                              batches)
 from tpde.chain.ranks import Held, RankPiece, RankSave, Share, commit_shards
 from tpde.chain.read import DECODE_BATCH_BYTES
-from tpde.chain.retain import Retainer
 from tpde.chain.spans import lossy_summary, span_places, span_words
 from tpde.chain.write import PIECE_BYTES
-
-
-class Chain(Retainer):
-    """One run in one store: writing, reading, re-basing and collecting its steps."""
 
 
 __all__ = ["AtRest", "Chain", "DATA", "DECODE_BATCH_BYTES", "DEFAULT_KEYFRAME_EVERY",

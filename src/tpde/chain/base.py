@@ -1,4 +1,5 @@
-"""What every part of the chain shares: the run's layout, its listings and its manifests."""
+"""The run object every part of the chain works on: the run's layout, its listings and its
+(cached) manifests. Reading, writing and retention are parts composed over it (``chain.Chain``)."""
 
 from __future__ import annotations
 
@@ -111,8 +112,9 @@ class Problem:
                    error=exc)
 
 
-class ChainBase:
-    """One run in one store: its listings and its (cached) manifests."""
+class Run:
+    """One run in one store: its listings and its (cached) manifests, shared by the run's
+    reader, writer and retainer."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
@@ -234,7 +236,19 @@ class ChainBase:
         report.purged_steps.append(step)
         self._manifests.pop(step, None)
 
-    def _stale(self) -> bool:
+    def cached(self, step: int) -> Manifest | None:
+        """The manifest of ``step`` as this object last read or committed it, if it did."""
+        return self._manifests.get(step)
+
+    def remember(self, m: Manifest) -> None:
+        """Cache ``m``, just committed, as the manifest of its step."""
+        self._manifests[m.step] = m
+
+    def marked(self, against: str) -> None:
+        """The marker was just written, saying deltas are coded against ``against``."""
+        self._known_run, self._against = True, against
+
+    def stale(self) -> bool:
         """Whether a manifest this object cached was rewritten or deleted since (a re-base or
         a gc by the run's writer); the cache is dropped if so."""
         for step, m in list(self._manifests.items()):
@@ -290,7 +304,7 @@ class Manifests(Mapping[int, Manifest]):
     """A chain's committed manifests, read when asked for (``get`` is None for a missing or
     unreadable one)."""
 
-    def __init__(self, chain: ChainBase) -> None:
+    def __init__(self, chain: Run) -> None:
         self.chain = chain
 
     def __getitem__(self, step: int) -> Manifest:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from tpde.chain.base import ChainBase, Progress
+from tpde.chain.base import Progress, Run
 from tpde.codec import dtypes, elias, unframe
 from tpde.codec.transform import residual_mode
 from tpde.errors import TPDEError
@@ -149,13 +149,13 @@ def _openmp() -> str | None:
     return min(found) if len(found) == 1 else None
 
 
-def lineages(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lineage]:
+def lineages(run: Run, step: int, names: Iterable[str]) -> dict[str, Lineage]:
     """The lineages of ``names`` at ``step`` that ``rebuild`` can rebuild, by name; the others
     are left out, those with a record missing on the way too (``materialize`` says which)."""
     out: dict[str, Lineage] = {}
     for name in names:
         try:
-            found = _lineage(chain, step, name)
+            found = _lineage(run, step, name)
         except TPDEError:
             continue
         if found is not None:
@@ -163,8 +163,8 @@ def lineages(chain: ChainBase, step: int, names: Iterable[str]) -> dict[str, Lin
     return out
 
 
-def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
-    lineage = chain.lineage(name, step)
+def _lineage(run: Run, step: int, name: str) -> Lineage | None:
+    lineage = run.lineage(name, step)
     last = lineage[-1][1]
     dt = dtypes.by_name(last.dtype)
     n = last.numel * dt.words_per_element
@@ -181,7 +181,7 @@ def _lineage(chain: ChainBase, step: int, name: str) -> Lineage | None:
             sparse += values.raw // dt.word_bytes * 8 + values.raw
             if sparse > SPARSE_BYTES:
                 return None
-        stored.append(Stored(chain.manifest(at).blob_of(rec), values, mode,
+        stored.append(Stored(run.manifest(at).blob_of(rec), values, mode,
                              rec.sections.get("positions")))
     return Lineage(name, n, dt.word_dtype, int(last.hash[len(XXH3):], 16), tuple(stored),
                    sum(rec.raw_bytes for _, rec in lineage), sparse)
@@ -203,7 +203,7 @@ def _mode(rec: Record, kind: str) -> int | None:
         return None
 
 
-def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, threads: int,
+def rebuild(run: Run, lineages: dict[str, Lineage], *, check: bool, threads: int,
             into: dict[str, torch.Tensor], alloc: Callable[[int, torch.dtype], torch.Tensor],
             read_limit: int | None = None, fresh: bool = False) -> dict[str, torch.Tensor]:
     """The words of every lineage, by name, rebuilt in one call (in ``into``'s words where it
@@ -220,14 +220,14 @@ def rebuild(chain: ChainBase, lineages: dict[str, Lineage], *, check: bool, thre
     if not available():  # opened again in a forked child: without a team there
         return {}
     try:
-        with chain.store.kept_open():
-            return _rebuild_read(chain, lineages, check, threads, into, alloc, read_limit,
+        with run.store.kept_open():
+            return _rebuild_read(run, lineages, check, threads, into, alloc, read_limit,
                                  fresh)
     except (OSError, TPDEError, ValueError):  # gone (re-based meanwhile), unreadable, or a
         return {}  # manifest whose sizes do not add up: materialize says which
 
 
-def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
+def restore(run: Run, step: int, names: Iterable[str], *, check: bool,
             into: dict[str, torch.Tensor], progress: Progress | None, batch_bytes: int
             ) -> dict[str, torch.Tensor]:
     """The words of those of ``names`` at ``step`` that ``rebuild`` can rebuild, by name: the
@@ -245,11 +245,11 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
     opened, teamed = _opening()
     if not opened or (threads > 1 and not teamed):
         return {}  # on one thread where the Python path's decode threads would share the work
-    found = list(lineages(chain, step, names).values())
+    found = list(lineages(run, step, names).values())
     if not found:
         return {}
     try:
-        read_first = chain.store.descriptor(found[0].records[0].blob) is None
+        read_first = run.store.descriptor(found[0].records[0].blob) is None
     except OSError:  # a blob gone: its lineages fail in the call, and materialize says where
         read_first = False
     calls: list[list[Lineage]] = []
@@ -266,7 +266,7 @@ def restore(chain: ChainBase, step: int, names: Iterable[str], *, check: bool,
             held, beside = lin.word_bytes, extra
     words: dict[str, torch.Tensor] = {}
     for call in calls:
-        got = rebuild(chain, {lin.name: lin for lin in call}, check=check, threads=threads,
+        got = rebuild(run, {lin.name: lin for lin in call}, check=check, threads=threads,
                       into=into, alloc=_empty, read_limit=batch_bytes, fresh=True)
         words.update(got)
         if progress:
@@ -278,7 +278,7 @@ def _empty(words: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(words, dtype=dtype)
 
 
-def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, threads: int,
+def _rebuild_read(run: Run, lineages: dict[str, Lineage], check: bool, threads: int,
                   into: dict[str, torch.Tensor],
                   alloc: Callable[[int, torch.dtype], torch.Tensor],
                   read_limit: int | None, fresh: bool) -> dict[str, torch.Tensor]:
@@ -291,7 +291,7 @@ def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, t
             wanted[s.blob].update(s.ranges())
             if s.positions is not None:
                 reads[s.blob].add(_span(s.positions))
-    fds = {blob: chain.store.descriptor(blob) for blob in wanted}
+    fds = {blob: run.store.descriptor(blob) for blob in wanted}
     if None in fds.values():
         fds, reads = {}, wanted
         if read_limit is not None and \
@@ -301,7 +301,7 @@ def _rebuild_read(chain: ChainBase, lineages: dict[str, Lineage], check: bool, t
     for blob, ranges in reads.items():
         order = sorted(ranges)
         data.update(((blob, a, b), got) for (a, b), got in
-                    zip(order, chain.store.read_ranges(blob, order)))
+                    zip(order, run.store.read_ranges(blob, order)))
     words: dict[str, torch.Tensor] = {}
     tasks, names = [], []
     for name, lin in lineages.items():

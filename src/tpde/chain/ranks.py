@@ -62,7 +62,7 @@ class RankSave:
     """One rank's share of step ``step``, coded against the committed step ``reference``.
 
     Args:
-        chain: the run.
+        writer: the run's writer.
         step: the step being saved.
         rank: this rank, which names its blob.
         reference: the step every rank codes against (None: keyframe records only).
@@ -74,13 +74,13 @@ class RankSave:
         keep: keep this save's words (``kept``) for the next save.
     """
 
-    def __init__(self, chain: Writer, step: int, rank: int, reference: int | None, *,
+    def __init__(self, writer: Writer, step: int, rank: int, reference: int | None, *,
                  settings: encoder.Settings, keyframe_every: int, max_inflight_bytes: int,
                  held: Held | None, choices: dict[str, encoder.Choice], keep: bool) -> None:
-        self.chain, self.step, self.settings = chain, step, settings
+        self.writer, self.step, self.settings = writer, step, settings
         self.keyframe_every, self.choices = keyframe_every, choices
-        self.blob_name = chain.blob_for(step, f"r{rank}")
-        self.prev = chain.manifest(reference) if reference is not None else None
+        self.blob_name = writer.blob_for(step, f"r{rank}")
+        self.prev = writer.run.manifest(reference) if reference is not None else None
         self.most = max(1, max_inflight_bytes // 2)
         self.per = min(PIECE_BYTES, self.most)
         self.follow = piece_starts(self.prev)
@@ -111,13 +111,14 @@ class RankSave:
         usable = [piece for piece, t in pieces
                   if (rec := prev.record(piece)) is not None and rec.numel == t.numel()
                   and rec.dtype == dtypes.of_tensor(t, name=piece).name]
-        keyed = plan_keys(candidates(self.chain.lazy(), prev.step, usable), self.keyframe_every)
+        keyed = plan_keys(candidates(self.writer.run.lazy(), prev.step, usable),
+                          self.keyframe_every)
         wanted = [p for p in usable if p not in keyed]
         out = {p: self.held.words[p] for p in wanted if p in self.held.words} \
             if self.held is not None else {}
         rest = [p for p in wanted if p not in out]
         if rest:
-            out.update(self.chain.materialize(prev.step, rest))
+            out.update(self.writer.reader.materialize(prev.step, rest))
         return out
 
     def record(self, blob: BlobWriter, piece: str, start: int | None, t: torch.Tensor,
@@ -142,7 +143,7 @@ class RankSave:
         return record_of(piece, dt, t.numel(), device, enc, digest, ref, blob, start)
 
 
-def commit_shards(chain: Writer, step: int, shares: Sequence[Share], *, skeleton: Any,
+def commit_shards(writer: Writer, step: int, shares: Sequence[Share], *, skeleton: Any,
                   layout: dict[str, Any], started: float) -> Manifest:
     """Commit ``step`` from every rank's shares (their blobs durable), each record naming the
     blob it is in; ``layout`` is the engine's metadata as JSON, ``started`` when the save
@@ -156,11 +157,11 @@ def commit_shards(chain: Writer, step: int, shares: Sequence[Share], *, skeleton
             sizes.append(share.size)
         records += [replace(r, shard=blobs[share.blob]) for r in share.records]
     refs = {r.ref for r in records if r.ref is not None}
-    deepest = max((record_depth(chain.lazy(), r) for r in records), default=0)
+    deepest = max((record_depth(writer.run.lazy(), r) for r in records), default=0)
     m = Manifest(step=step, keyframe=not refs, depth=deepest,
                  parent=max(refs) if refs else None, blob=None, blob_size=0,
                  created=time.time(), seconds=time.perf_counter() - started,
                  skeleton=skeleton, records=records, format=format_for(records, sharded=True),
                  shards=[{"blob": b, "size": sizes[i]} for b, i in blobs.items()], dcp=layout)
-    chain.mark_run()
-    return chain.commit(m, new=True)
+    writer.mark_run()
+    return writer.commit(m, new=True)

@@ -7,7 +7,7 @@ from typing import Any, ContextManager, Iterable, Iterator
 import torch
 
 from tpde.chain import sharded
-from tpde.chain.base import ChainBase, Problem, Progress
+from tpde.chain.base import Problem, Progress, Run
 from tpde.chain.decode import STREAMED
 from tpde.chain.native import restore as native_restore
 from tpde.chain.plan import plan_rebuild
@@ -41,7 +41,7 @@ class _FramesOnDemand:
     def reading(self) -> ContextManager[None]:
         """The store's files kept open while this thread reads frames (``unframe.by_slices``
         runs on the frame threads)."""
-        return self._reader.store.kept_open()
+        return self._reader.run.store.kept_open()
 
     def __getitem__(self, i: int | slice) -> Any:
         """Frame ``i``; a slice of frames in one read."""
@@ -55,14 +55,17 @@ class _FramesOnDemand:
 
     def _read(self, a: int, b: int) -> Any:
         try:
-            return self._reader.store.read_range(self._blob, a, b)
+            return self._reader.run.store.read_range(self._blob, a, b)
         except FileNotFoundError:
-            raise CorruptionError(f"blob {self._blob} is missing", run=self._reader.url,
+            raise CorruptionError(f"blob {self._blob} is missing", run=self._reader.run.url,
                                   step=self._m.step) from None
 
 
-class Reader(ChainBase):
-    """Rebuilding steps (the decode path of every front end)."""
+class Reader:
+    """Rebuilding a run's steps (the decode path of every front end)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
 
     def fetch(self, m: Manifest, recs: list[Record], *, streamed: bool = False
                ) -> list[dict[str, Any]]:
@@ -80,19 +83,20 @@ class Reader(ChainBase):
         got: dict[str, Iterator[memoryview]] = {}
         for blob, ranges in by_blob.items():
             try:
-                if blob == m.blob and self.store.whole_blob_reads \
+                if blob == m.blob and self.run.store.whole_blob_reads \
                         and sum(b - a for a, b in ranges) * 2 >= m.blob_size:
-                    data = self.store.read(blob, m.blob_size)
+                    data = self.run.store.read(blob, m.blob_size)
                     if len(data) != m.blob_size:
                         raise CorruptionError(f"blob {blob} holds {len(data)} bytes, the "
                                               f"manifest says {m.blob_size} (truncated?)",
-                                              run=self.url, step=m.step)
+                                              run=self.run.url, step=m.step)
                     view = memoryview(data)
                     got[blob] = iter([view[a:b] for a, b in ranges])
                 else:
-                    got[blob] = iter([memoryview(p) for p in self.store.read_ranges(blob, ranges)])
+                    got[blob] = iter([memoryview(p)
+                                      for p in self.run.store.read_ranges(blob, ranges)])
             except FileNotFoundError:
-                raise CorruptionError(f"blob {blob} is missing", run=self.url,
+                raise CorruptionError(f"blob {blob} is missing", run=self.run.url,
                                       step=m.step) from None
         out, lazy = [], iter(later)
         it = (next(got[blob]) for blob, _, _ in now)
@@ -145,12 +149,12 @@ class Reader(ChainBase):
         for _ in range(REREADS):
             found: list[Problem] | None = None if problems is None else []
             try:
-                with self.store.kept_open():
+                with self.run.store.kept_open():
                     words, rest = {}, names
                     if native and on is None and not check_every:
-                        wanted = {r.name for r in self.manifest(step).records} \
+                        wanted = {r.name for r in self.run.manifest(step).records} \
                             if names is None else names
-                        words = native_restore(self, step, wanted - (passing or {}).keys(),
+                        words = native_restore(self.run, step, wanted - (passing or {}).keys(),
                                                check=check, into=into or {}, progress=progress,
                                                batch_bytes=batch_bytes)
                         rest = wanted - words.keys()
@@ -160,16 +164,16 @@ class Reader(ChainBase):
                             look_ahead, into or {}, passing or {},
                             {} if passed is None else passed))
             except CorruptionError:
-                if self._stale():
+                if self.run.stale():
                     continue
                 raise
-            if found and self._stale():
+            if found and self.run.stale():
                 continue
             if problems is not None and found:
                 problems += found
             return words
         raise CorruptionError("the run was rewritten while being read, several times in a row; "
-                              "try again", run=self.url, step=step)
+                              "try again", run=self.run.url, step=step)
 
     def _materialize(self, step: int, names: set[str] | None, problems: list[Problem] | None,
                      check_every: bool, check: bool, progress: Progress | None,
@@ -177,10 +181,10 @@ class Reader(ChainBase):
                      into: dict[str, torch.Tensor], passing: dict[str, int],
                      passed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``materialize``, once: planned, then carried out."""
-        target = self.manifest(step)
+        target = self.run.manifest(step)
         with collector_paused():  # builds the records its lineages go through
             wanted = list(target.records) if names is None else target.records_named(names)
-            plan = plan_rebuild(target, wanted, self.lineage, batch_bytes=batch_bytes,
+            plan = plan_rebuild(target, wanted, self.run.lineage, batch_bytes=batch_bytes,
                                 check=check, check_every=check_every, passing=passing)
         return Rebuild(self, plan, problems=problems, check=check, check_every=check_every,
                        progress=progress, on=on, look_ahead=look_ahead, into=into,
@@ -188,7 +192,7 @@ class Reader(ChainBase):
 
     def stored_words(self, step: int, name: str) -> torch.Tensor | None:
         """One record's words at ``step``, read back from the store (None: it has none)."""
-        if self.manifest(step).record(name) is None:
+        if self.run.manifest(step).record(name) is None:
             return None
         return self.materialize(step, [name])[name]
 
@@ -213,14 +217,14 @@ class Reader(ChainBase):
         top-level key: only that part of the checkpoint is returned, and only its tensors are
         decoded (a model's weights without the optimizer state, say).
         """
-        m = self.manifest(step)
+        m = self.run.manifest(step)
         skeleton = m.skeleton
         if within is not None:
             skeleton = tree.part(skeleton, within)
             if skeleton is None:
                 raise TPDEError(f"the checkpoint has no top-level key {within!r} "
                                 f"(it has: {', '.join(map(str, tree.keys(m.skeleton)))})",
-                                run=self.url, step=step)
+                                run=self.run.url, step=step)
         if m.dcp is not None:  # a sharded step: its tensors whole, from their chunks
             items = tree.sharded_items(skeleton)
             names = [n for fqn in items for n in sharded.item_records(m, fqn)]
@@ -229,11 +233,11 @@ class Reader(ChainBase):
                 rebuilt = sharded.values(m, items, words, map_location, trusted)
                 return tree.unflatten(skeleton, [], trusted=trusted, sharded=rebuilt), {}
             except TPDEError as exc:
-                raise exc.located(run=self.url, step=step) from None
+                raise exc.located(run=self.run.url, step=step) from None
         used = tree.span_indices(skeleton)
         groups = m.spans()
         wanted = [r for i in sorted(used) if i < len(groups) for r in groups[i]]
-        warn_lossy(self.url, step, wanted)
+        warn_lossy(self.run.url, step, wanted)
         # A span in pieces that stays on the host is rebuilt in place: each piece is decoded
         # into its part of the span's buffer, not into a tensor of its own and then copied.
         whole: dict[int, torch.Tensor] = {}
@@ -267,7 +271,8 @@ class Reader(ChainBase):
         try:
             state = tree.unflatten(skeleton, spans, trusted=trusted)
         except TPDEError as exc:
-            raise exc.located(run=self.url, step=step) from None
+            raise exc.located(run=self.run.url, step=step) from None
         except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"skeleton is malformed ({exc})", run=self.url, step=step) from None
+            raise FormatError(f"skeleton is malformed ({exc})", run=self.run.url,
+                              step=step) from None
         return state, words

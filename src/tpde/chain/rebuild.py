@@ -50,7 +50,7 @@ class Rebuild:
     """One attempt at rebuilding a plan's records (``Reader.materialize`` makes it).
 
     Args:
-        chain: the run.
+        reader: the run's reader.
         plan: what to decode, step by step.
         problems: where damaged tensors are reported instead of raised (None: raise).
         check, check_every: hash-check the final words; and every record's on the way.
@@ -61,11 +61,11 @@ class Rebuild:
         passed: where the words of ``plan.taken`` are put, by name.
     """
 
-    def __init__(self, chain: Reader, plan: RebuildPlan, *, problems: list[Problem] | None,
+    def __init__(self, reader: Reader, plan: RebuildPlan, *, problems: list[Problem] | None,
                  check: bool, check_every: bool, progress: Progress | None,
                  on: torch.device | None, look_ahead: bool, into: dict[str, torch.Tensor],
                  passed: dict[str, torch.Tensor]) -> None:
-        self.chain, self.plan, self.problems = chain, plan, problems
+        self.reader, self.plan, self.problems = reader, plan, problems
         self.check, self.check_every, self.progress = check, check_every, progress
         self.look_ahead, self.into, self.passed = look_ahead, into, passed
         self.backend = None
@@ -89,7 +89,7 @@ class Rebuild:
         passed.clear()  # of an attempt that found the run rewritten
 
     def fail(self, exc: TPDEError, at: int, name: str) -> None:
-        exc = exc.located(run=self.chain.url, step=at, tensor=name)
+        exc = exc.located(run=self.reader.run.url, step=at, tensor=name)
         if self.problems is None:
             raise exc
         self.problems.append(Problem.of(exc, at, name))
@@ -109,7 +109,7 @@ class Rebuild:
         for rec in self.plan.wanted:
             if rec.name in self.failed:
                 continue
-            if self.check and rec.hash != self.chain.data_hash(rec, step):
+            if self.check and rec.hash != self.reader.run.data_hash(rec, step):
                 self.fail(CorruptionError("record's hash differs from the data it points to"),
                           step, rec.name)
                 continue
@@ -157,7 +157,7 @@ class Rebuild:
         backend = self.backend
         todo = [(r, checked) for r, checked in batch if r.name not in self.failed]
         try:
-            fetched = self.chain.fetch(self.chain.manifest(at), [r for r, _ in todo],
+            fetched = self.reader.fetch(self.reader.run.manifest(at), [r for r, _ in todo],
                                        streamed=self.stream)
         except TPDEError as exc:
             return exc
@@ -208,7 +208,7 @@ class Rebuild:
     def refused(self, r: Record, checked: bool, exc: TPDEError, at: int) -> None:
         if checked and not self.check_every and isinstance(exc, CorruptionError) \
                 and not isinstance(exc, FormatError):
-            exc, at = self.chain.trace(r.name, self.plan.step, exc, at)
+            exc, at = self.reader.trace(r.name, self.plan.step, exc, at)
         self.fail(exc, at, r.name)
 
     def finish(self, at: int, batch: Batch, jobs: list[tuple], rebuilt: Iterable[Any]) -> None:

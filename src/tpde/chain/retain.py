@@ -18,12 +18,13 @@ from typing import Iterable, Iterator
 
 import torch
 
-from tpde.chain.base import (DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, name,
-                             numbered)
+from tpde.chain.base import (DATA, REMOVED, STEPS, GcReport, Problem, Progress, Reference, Run,
+                             name, numbered)
 from tpde.chain.decode import TASK_BYTES, decompress, in_runs, pools
 from tpde.chain.plan import (DEFAULT_KEYFRAME_EVERY, PREVIOUS, AtRest, Rewrite, batches, depth,
                              holder, plan_rebase, readers_of, record_depth)
 from tpde.chain.save import put_sections
+from tpde.chain.read import Reader
 from tpde.chain.write import Writer
 from tpde.codec import decoder, dtypes, encoder, frames
 from tpde.errors import StepNotFoundError, TPDEError
@@ -33,14 +34,18 @@ from tpde.manifest import Manifest, Record, collector_paused, format_for, hash_m
 REBASE_BATCH_BYTES = 64 << 20
 
 
-class Retainer(Writer):
-    """Removal, re-basing, garbage collection, accounting and verification."""
+class Retainer:
+    """Removal, re-basing, garbage collection, accounting and verification of a run's steps:
+    re-based steps are rebuilt through ``reader`` and committed through ``writer``."""
+
+    def __init__(self, run: Run, reader: Reader, writer: Writer) -> None:
+        self.run, self.reader, self.writer = run, reader, writer
 
     def remove(self, step: int) -> None:
         """Hide ``step``; its data stays until ``collect`` or ``gc`` re-bases what reads it."""
-        if step not in self.steps():
-            raise StepNotFoundError("no such visible step to remove", run=self.url, step=step)
-        self.store.put_atomic(f"{REMOVED}/{name(step)}", b"")
+        if step not in self.run.steps():
+            raise StepNotFoundError("no such visible step to remove", run=self.run.url, step=step)
+        self.run.store.put_atomic(f"{REMOVED}/{name(step)}", b"")
 
     @collector_paused()
     def collect(self, *, keep: Iterable[int] = (), settings: encoder.Settings | None = None,
@@ -50,14 +55,14 @@ class Retainer(Writer):
         step nothing reads from any more. ``later``: a writer's words of its last step, from
         which a re-based step's words may be taken back (``_read_back``)."""
         report = report or GcReport()
-        kept = {*self.steps(), *keep}
+        kept = {*self.run.steps(), *keep}
         self.rebase(kept, settings=settings, keyframe_every=keyframe_every, report=report,
                     later=later)
-        needed = self.needed(keep)
-        sizes = self.sizes()
-        for step in self.committed():
+        needed = self.run.needed(keep)
+        sizes = self.run.sizes()
+        for step in self.run.committed():
             if step not in needed:
-                self.purge(step, report, sizes)
+                self.run.purge(step, report, sizes)
         return report
 
     def rebase(self, kept: Iterable[int], *, settings: encoder.Settings | None = None,
@@ -67,7 +72,7 @@ class Retainer(Writer):
         report = report or GcReport()
         started = time.perf_counter()
         settings = settings or encoder.Settings()
-        for step, rewrites in plan_rebase(self.lazy(), kept, self.deltas_against()):
+        for step, rewrites in plan_rebase(self.run.lazy(), kept, self.run.deltas_against()):
             self._rewrite(step, rewrites, settings, keyframe_every, later)
             report.rebased_steps.append(step)
             report.rewritten_records += len(rewrites)
@@ -78,12 +83,12 @@ class Retainer(Writer):
                  keyframe_every: int, later: Reference | None = None) -> None:
         """Carry out one step's part of a re-base plan: a new blob (only if some record gets
         data of its own), then the new manifest, then the old blob goes."""
-        old = self.manifest(step)
+        old = self.run.manifest(step)
         plan = {w.name: w for w in rewrites}
         new_records: dict[str, Record] = {}
         for w in rewrites:
             if w.how == "same":
-                src = self.manifest(w.against).record(w.name)
+                src = self.run.manifest(w.against).record(w.name)
                 ref = src.ref if src.codec == "same" else w.against
                 new_records[w.name] = dataclasses.replace(old.record(w.name), codec="same",
                                                           ref=ref, residual=None, count=0,
@@ -96,8 +101,8 @@ class Retainer(Writer):
         if all(w.how in ("same", "repoint") for w in rewrites):
             self._replace(old, self._summed(dataclasses.replace(old, records=current)))
             return
-        blob_rel = self.blob_for(step)
-        writer = self.store.open_write(blob_rel)
+        blob_rel = self.writer.blob_for(step)
+        writer = self.run.store.open_write(blob_rel)
         try:
             sizes = [r.raw_bytes if r.name in plan and plan[r.name].how == "recode"
                      else r.stored_bytes for r in current]
@@ -121,7 +126,7 @@ class Retainer(Writer):
     def _summed(self, m: Manifest) -> Manifest:
         """``m`` with its step-level summary (keyframe, parent, depth) taken from its records."""
         refs = m.refs()
-        deepest = max((record_depth(self.lazy(), r) for r in m.records), default=0)
+        deepest = max((record_depth(self.run.lazy(), r) for r in m.records), default=0)
         return dataclasses.replace(m, keyframe=not refs, parent=max(refs, default=None),
                                    depth=deepest)
 
@@ -138,14 +143,14 @@ class Retainer(Writer):
                 if (r.name not in plan or plan[r.name].how == "repoint") and r.sections]
         copies = [r for r in batch if r.name in plan and plan[r.name].how == "copy"]
         recode = [r for r in batch if r.name in plan and plan[r.name].how == "recode"]
-        for r, framed in zip(keep, self.fetch(old, keep)):
+        for r, framed in zip(keep, self.reader.fetch(old, keep)):
             yield (r, _sections(r, framed))
         held: dict[int, list[tuple[Record, Record]]] = {}  # by the step holding the keyframe
         for r in copies:
-            at, key = self.lineage(r.name, old.step)[0]
+            at, key = self.run.lineage(r.name, old.step)[0]
             held.setdefault(at, []).append((r, key))
         for at, pairs in held.items():
-            for (r, key), framed in zip(pairs, self.fetch(self.manifest(at),
+            for (r, key), framed in zip(pairs, self.reader.fetch(self.run.manifest(at),
                                                            [k for _, k in pairs])):
                 yield (dataclasses.replace(r, codec=key.codec, ref=None,
                                            residual=key.residual, count=key.count,
@@ -153,7 +158,7 @@ class Retainer(Writer):
                        _sections(key, framed))
         if recode:
             passing = {r.name: v for r in recode if (v := plan[r.name].against) is not None
-                       and (depth(self.lazy(), v, r.name) or 0) + 1 < keyframe_every}
+                       and (depth(self.run.lazy(), v, r.name) or 0) + 1 < keyframe_every}
             # The words of the step each record is re-coded against are mostly on the way to
             # its own: rebuilt together, a retention run rebuilds each step once, not twice.
             # Words taken back cost no more than that last delta: its reference's words are
@@ -162,14 +167,15 @@ class Retainer(Writer):
             words = self._read_back(later, old.step, recode)
             rest = [r.name for r in recode if r.name not in words]
             if rest:
-                words.update(self.materialize(old.step, rest, passing=passing, passed=passed))
+                words.update(self.reader.materialize(old.step, rest, passing=passing,
+                                                     passed=passed))
             against: dict[int, list[str]] = {}
             for tensor, v in passing.items():
                 if tensor not in passed:
                     against.setdefault(v, []).append(tensor)
             refs = {(passing[n], n): w for n, w in passed.items()}
             for v, names in against.items():
-                refs.update({(v, n): w for n, w in self.materialize(v, names).items()})
+                refs.update({(v, n): w for n, w in self.reader.materialize(v, names).items()})
             jobs = []
             for r in recode:
                 ref_words = refs.pop((plan[r.name].against, r.name), None)
@@ -184,7 +190,7 @@ class Retainer(Writer):
             for r, enc in zip(recode, coded):
                 v = plan[r.name].against
                 if enc.codec == "same":
-                    src = self.manifest(v).record(r.name)
+                    src = self.run.manifest(v).record(r.name)
                     ref = src.ref if src.codec == "same" else v
                 else:
                     ref = None if enc.keyed else v
@@ -204,9 +210,9 @@ class Retainer(Writer):
         the writer holds, about half the time of a keyframe and a delta decoded per re-coded
         tensor. Each is checked against its record's hash; one that does
         not match is rebuilt from the chain as any other."""
-        if later is None or not later.held or later.at or self.deltas_against() != PREVIOUS:
+        if later is None or not later.held or later.at or self.run.deltas_against() != PREVIOUS:
             return {}  # (against keyframes the words held are the keyframes')
-        manifests = self.lazy()
+        manifests = self.run.lazy()
         m = manifests.get(later.step)
         if m is None:  # gone (another process's gc): the lineage rebuilds every one
             return {}
@@ -224,7 +230,7 @@ class Retainer(Writer):
                 below = held_at.record(r.name) if held_at is not None else None
                 if below is not None and holder(h.ref, below) == step:
                     undo.append((r, h, words))
-        fetched = self.fetch(m, [h for _, h, _ in undo])
+        fetched = self.reader.fetch(m, [h for _, h, _ in undo])
         jobs += [(*job, framed) for job, framed in zip(undo, fetched)]
         got = in_runs(pools()[0].map, _taken_back, jobs, [r.raw_bytes for r, *_ in jobs])
         return {r.name: words for (r, *_), words in zip(jobs, got) if words is not None}
@@ -233,7 +239,7 @@ class Retainer(Writer):
         """The coding ``r`` was saved with, tried first against its new reference as a save
         tries the one its tensor was last coded with (``encoder.REVALIDATE``): a re-base coded
         each record every way otherwise."""
-        key = self.lineage(r.name, step)[0][1]
+        key = self.run.lineage(r.name, step)[0][1]
         if r.codec not in ("dense", "sparse") or key.codec != "key":
             return None
         words = r.numel * dtypes.by_name(r.dtype).words_per_element
@@ -242,9 +248,9 @@ class Retainer(Writer):
 
     def _replace(self, old: Manifest, new: Manifest) -> None:
         """Commit a rewritten manifest, then delete the blob it no longer uses."""
-        self.commit(new, new=False)
+        self.writer.commit(new, new=False)
         for blob in set(old.blobs()) - set(new.blobs()):
-            self.store.delete(blob)
+            self.run.store.delete(blob)
 
     def gc(self, *, grace_seconds: float = 3600.0, keep: Iterable[int] = (),
            settings: encoder.Settings | None = None,
@@ -255,36 +261,36 @@ class Retainer(Writer):
         Leftovers younger than ``grace_seconds`` are kept, since they may belong to a save in
         progress in another process.
         """
-        self.require_run()
+        self.run.require_run()
         report = self.collect(keep=keep, settings=settings, keyframe_every=keyframe_every,
                               later=later)
-        live = {b for s in self.committed() for b in self.manifest(s).blobs()}
+        live = {b for s in self.run.committed() for b in self.run.manifest(s).blobs()}
         now = time.time()
         for prefix in (DATA, STEPS):
-            for e in self.store.list(prefix):
+            for e in self.run.store.list(prefix):
                 leftover = (prefix == DATA and e.path not in live) or e.path.endswith(".tmp")
                 young = e.mtime is not None and now - e.mtime < grace_seconds
                 if leftover and not young:
-                    self.store.delete(e.path)
+                    self.run.store.delete(e.path)
                     report.freed_bytes += e.size
                     report.deleted.append(e.path)
-        committed = set(self.committed())
-        for step in self.hidden() - committed:
-            self.store.delete(f"{REMOVED}/{name(step)}")
+        committed = set(self.run.committed())
+        for step in self.run.hidden() - committed:
+            self.run.store.delete(f"{REMOVED}/{name(step)}")
             report.deleted.append(f"{REMOVED}/{name(step)}")
         return report
 
     def at_rest(self) -> AtRest:
         """Every byte the run holds in its store, by why it is held."""
-        self.require_run()
+        self.run.require_run()
         files = {e.path: e.size for prefix in ("", DATA, STEPS, REMOVED)
-                 for e in self.store.list(prefix)}
+                 for e in self.run.store.list(prefix)}
         # Committed and hidden steps from this one listing, not listed again.
         committed = numbered(((p, n) for p, n in files.items() if p.startswith(f"{STEPS}/")),
                              ".json")
         hidden = numbered((p, n) for p, n in files.items() if p.startswith(f"{REMOVED}/"))
         visible = set(committed) - set(hidden)
-        lazy = self.lazy()  # a damaged manifest is counted apart, not raised
+        lazy = self.run.lazy()  # a damaged manifest is counted apart, not raised
         manifests = {s: m for s in sorted(committed) if (m := lazy.get(s)) is not None}
         out = AtRest()
         owned: set[str] = set()
@@ -318,12 +324,12 @@ class Retainer(Writer):
     def verify(self, step: int | None = None, *, progress: Progress | None = None) -> list[Problem]:
         """Rebuild and hash-check ``step`` (or every visible step); returns what is damaged."""
         problems: list[Problem] = []
-        for s in [step] if step is not None else self.steps():
+        for s in [step] if step is not None else self.run.steps():
             found: list[Problem] = []
             try:
-                self.materialize(s, problems=found, check_every=True, progress=progress)
+                self.reader.materialize(s, problems=found, check_every=True, progress=progress)
             except TPDEError as exc:
-                found.append(Problem.of(exc.located(run=self.url, step=s), s))
+                found.append(Problem.of(exc.located(run=self.run.url, step=s), s))
             problems += [dataclasses.replace(p, needed_by=s) for p in found]
         return problems
 

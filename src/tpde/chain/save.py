@@ -121,7 +121,7 @@ class StepSave:
     """One save's pieces, coded and appended to ``blob`` as ``plan`` says.
 
     Args:
-        chain: the run, for the reference step's manifests and stored words.
+        reader: the run's reader, for the reference step's manifests and stored words.
         plan: what to store and against what.
         reference: the reference's held words, consumed as pieces are coded (None: a
             keyframe step).
@@ -132,13 +132,13 @@ class StepSave:
         bounds: the error bound of a span by any of its names (None: exact).
     """
 
-    def __init__(self, chain: Reader, plan: SavePlan, reference: Reference | None,
+    def __init__(self, reader: Reader, plan: SavePlan, reference: Reference | None,
                  blob: BlobWriter, settings: encoder.Settings, *, keep_reference: bool,
                  owned: bool, bounds: Callable[..., quant.Bound | None] | None) -> None:
-        self.chain, self.plan, self.reference, self.blob = chain, plan, reference, blob
+        self.reader, self.plan, self.reference, self.blob = reader, plan, reference, blob
         self.settings, self.keep, self.owned = settings, keep_reference, owned
         self.bounds = bounds
-        self.prev = chain.manifest(plan.reference) if plan.reference is not None else None
+        self.prev = reader.run.manifest(plan.reference) if plan.reference is not None else None
         self.saved = Saved()
         #: While every piece so far was bit-identical to the held words of the step before.
         self.repeat = not plan.star and self.prev is not None and reference.held
@@ -185,7 +185,7 @@ class StepSave:
              enc: encoder.Encoding, bound: quant.Bound | None, src: int) -> Encoded:
         """Bit-identical to ``src``'s words, whose hash is known: a repeated save hashes
         nothing, and the record points where that step's data is."""
-        held = self.chain.manifest(src).record(piece.name)
+        held = self.reader.run.manifest(src).record(piece.name)
         return Encoded(dt, host if self.keep else None, enc, held.hash, bound, holder(src, held),
                        self.plan.depth_after(piece.name, src, unchanged=True), src)
 
@@ -209,13 +209,13 @@ class StepSave:
                     ref_words = None  # read back at the next save
                 return Encoded(dt, ref_words if self.keep else None, encoder.Encoding("same"),
                                digest, None, holder(prev.step, was),
-                               record_depth(self.chain.lazy(), was), at)
+                               record_depth(self.reader.run.lazy(), was), at)
         if src is None:
             ref_words = None
         elif not reference.held or (plan.star and (ref_words is None
                                                    or reference.at.get(piece.name) != src)):
             # None held, or (against keyframes) held for a keyframe re-based away since.
-            ref_words = self.chain.stored_words(src, piece.name)
+            ref_words = self.reader.stored_words(src, piece.name)
         if plan.star and src is not None:
             spare = None  # the keyframe's words stay the reference
         choice = reference.choices.get(piece.name) if reference else None

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Callable
 
-from tpde.chain.base import DATA, MARKER, GcReport, Reference, manifest_path, name
+from tpde.chain.base import DATA, MARKER, GcReport, Reference, Run, manifest_path, name
 from tpde.chain.plan import KEYFRAME, PREVIOUS, SavePlan, plan_save
 from tpde.chain.read import Reader
 from tpde.chain.save import StepSave
@@ -34,8 +34,12 @@ PIECE_BYTES = 32 << 20
 PACK_BELOW = 4 << 10
 PACK_MOST = 256 << 10
 
-class Writer(Reader):
-    """Committing steps."""
+class Writer:
+    """Committing a run's steps; a new step's reference words are read back through
+    ``reader``."""
+
+    def __init__(self, run: Run, reader: Reader) -> None:
+        self.run, self.reader = run, reader
 
     def blob_for(self, step: int, writer: str = "") -> str:
         """A new blob's name for ``step``; ``writer`` (a rank: ``r3``) tells writers of one
@@ -45,14 +49,14 @@ class Writer(Reader):
     def mark_run(self, against: str | None = None) -> None:
         """Make the folder a run (``tpde.json``), if it is not one yet, and have the marker say
         what this writer codes deltas against, if given (a re-base keeps to what it says)."""
-        if self.is_run() and (against is None or self.deltas_against() == against):
+        if self.run.is_run() and (against is None or self.run.deltas_against() == against):
             return
         against = against or PREVIOUS
         marker: dict[str, object] = {"format": "tpde", "version": 1}
         if against != PREVIOUS:
             marker["deltas_against"] = against
-        self.store.put_atomic(MARKER, json.dumps(marker).encode())
-        self._known_run, self._against = True, against
+        self.run.store.put_atomic(MARKER, json.dumps(marker).encode())
+        self.run.marked(against)
 
     def commit(self, m: Manifest, *, new: bool) -> Manifest:
         """Write ``m`` (its blob is durable): the step is visible (``new``), or rewritten (a
@@ -63,25 +67,25 @@ class Writer(Reader):
         data = m.to_bytes()
         try:
             if new:
-                exclusive.create(self.store, manifest_path(m.step), data)
+                exclusive.create(self.run.store, manifest_path(m.step), data)
             else:
-                self.store.put_atomic(manifest_path(m.step), data)
+                self.run.store.put_atomic(manifest_path(m.step), data)
         except FileExistsError:
             for blob in [m.blob, *(s["blob"] for s in m.shards or ())]:
                 if blob:
-                    self.store.delete(blob)
+                    self.run.store.delete(blob)
             raise StepExistsError("was committed by another writer while this one saved it; "
                                   "this save wrote nothing (two jobs save into this run: give "
-                                  "each its own run)", run=self.url, step=m.step) from None
+                                  "each its own run)", run=self.run.url, step=m.step) from None
         except TPDEError as exc:
-            before = self._manifests.get(m.step)  # a re-base keeps its old blob until it commits
-            if self.store.local and m.blob and (before is None or before.blob != m.blob):
-                self.store.delete(m.blob)
-            raise exc.located(run=self.url, step=m.step) from exc
+            before = self.run.cached(m.step)  # a re-base keeps its old blob until it commits
+            if self.run.store.local and m.blob and (before is None or before.blob != m.blob):
+                self.run.store.delete(m.blob)
+            raise exc.located(run=self.run.url, step=m.step) from exc
         # Kept as built, not parsed back from the bytes just written (a tenth of a save of
         # many small tensors): the JSON round trip gives the same manifest.
         m.__dict__["_size"] = len(data)
-        self._manifests[m.step] = m
+        self.run.remember(m)
         return m
 
     @collector_paused()
@@ -110,7 +114,7 @@ class Writer(Reader):
         record's data instead.
         """
         if type(step) is not int or step < 0:
-            raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.url)
+            raise TPDEError(f"step must be a non-negative int, got {step!r}", run=self.run.url)
         if any(span.tensor.is_cuda for span in flat.spans):
             import tpde.kernels.nvcomp  # noqa: F401  (registers the GPU's compressor)
         self.make_room(step)
@@ -125,20 +129,21 @@ class Writer(Reader):
         star = against == KEYFRAME
         since = {n: (reference.at[n], c) for n, c in reference.since.items()
                  if n in reference.at} if star and reference else None
-        plan = plan_save(self.lazy(), step, flat, reference.step if reference else None,
+        plan = plan_save(self.run.lazy(), step, flat, reference.step if reference else None,
                          keyframe_every=keyframe_every, piece_bytes=min(PIECE_BYTES, bound),
                          most_bytes=bound, against=against, since=since)
         if reference is not None and reference.held:
             self._reread_stale(plan, reference)
         blob_rel = self.blob_for(step)
-        blob = self.store.open_write(blob_rel)
+        blob = self.run.store.open_write(blob_rel)
         try:
-            saved = StepSave(self, plan, reference, blob, settings, keep_reference=keep_reference,
-                             owned=owned, bounds=bounds).run(max_inflight_bytes)
+            save = StepSave(self.reader, plan, reference, blob, settings,
+                            keep_reference=keep_reference, owned=owned, bounds=bounds)
+            saved = save.run(max_inflight_bytes)
             blob.close()
         except TPDEError as exc:
             blob.abort()
-            raise exc.located(run=self.url, step=step) from exc
+            raise exc.located(run=self.run.url, step=step) from exc
         except BaseException:
             blob.abort()
             raise
@@ -162,19 +167,19 @@ class Writer(Reader):
         for at, names in plan.stale(reference.at).items():
             for n in names:  # dropped first: one copy of the state held, not two
                 reference.words.pop(n, None)
-            reference.words.update(self.materialize(at, names))
+            reference.words.update(self.reader.materialize(at, names))
             reference.at.update(dict.fromkeys(names, at))
 
     def make_room(self, step: int) -> None:
         """Refuse to overwrite a committed step; a hidden one that nothing needs is purged first."""
-        if not self.store.exists(manifest_path(step)):
+        if not self.run.store.exists(manifest_path(step)):
             return
-        if not self.is_hidden(step):
+        if not self.run.is_hidden(step):
             raise StepExistsError("already committed and immutable; save under a new step, or "
                                   "remove that step first (Checkpointer.remove)",
-                                  run=self.url, step=step)
-        if step in self.needed():
+                                  run=self.run.url, step=step)
+        if step in self.run.needed():
             raise StepExistsError("was removed, but later steps still need its data, so the "
                                   "number cannot be reused yet; save under a new step",
-                                  run=self.url, step=step)
-        self.purge(step, GcReport(), self.sizes())
+                                  run=self.run.url, step=step)
+        self.run.purge(step, GcReport(), self.run.sizes())
