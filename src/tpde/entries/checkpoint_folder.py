@@ -8,13 +8,13 @@ turns into deletion: a damaged entry keeps what it may name until it is repaired
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from tpde.chain import Chain
-from tpde.entries.entry import (CHAIN_DIR, MAX_ENTRY_BYTES, CheckpointEntry, PendingEntry,
-                                parse_any, same_chain, store_at, to_bytes)
+from tpde.entries.entry import (CHAIN_DIR, FOLDER_ENTRY, MAX_ENTRY_BYTES, CheckpointEntry,
+                                PendingEntry, parse_any, same_chain, store_at, to_bytes)
 from tpde.errors import FormatError, TPDEError
-from tpde.store.store import Store
+from tpde.store.store import Entry, Store
 
 #: In every entry's JSON member, which is stored uncompressed: a file that holds it was one.
 MARK = b'"format": "tpde-entry"'
@@ -65,14 +65,27 @@ def _listed(url: str, storage_options: dict[str, Any] | None) -> Any:
     return found
 
 
+def _files(folder_url: str, storage_options: dict[str, Any] | None) -> Iterator[Entry]:
+    """The files of a checkpoint folder that may be entries: its own, and the
+    ``FOLDER_ENTRY`` of each of its folders (checkpoints that are folders, as Hugging Face's
+    ``checkpoint-N/``; a folder whose name starts with a dot, a chain's, is no checkpoint)."""
+    store = Store(folder_url, storage_options)
+    yield from store.list("")
+    for sub in store.folders(""):
+        if not sub.rsplit("/", 1)[-1].startswith("."):
+            yield from (item for item in store.list(sub)
+                        if item.path.rsplit("/", 1)[-1] == FOLDER_ENTRY)
+
+
 def survey(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None = None,
            seen: Seen | None = None) -> Survey:
-    """The entries in ``folder_url`` that point into ``chain``, and those that may: a damaged
-    entry is kept whoever it named, since no one can tell it did not name this chain."""
+    """The entries in ``folder_url`` (and in its checkpoints that are folders) that point into
+    ``chain``, and those that may: a damaged entry is kept whoever it named, since no one can
+    tell it did not name this chain. Entries are named by their path in the folder."""
     seen = {} if seen is None else seen
     out = Survey()
     listed = set()
-    for item in Store(folder_url, storage_options).list(""):
+    for item in _files(folder_url, storage_options):
         if item.size > MAX_ENTRY_BYTES:
             continue
         name = item.path
@@ -163,7 +176,7 @@ def repair(folder_url: str, chain: Chain, storage_options: dict[str, Any] | None
             left[file] = named
             continue
         m = chain.manifest(named[0])
-        entry = CheckpointEntry(run=CHAIN_DIR, run_url=chain.url, step=m.step, blob=m.id or "",
+        entry = CheckpointEntry(run="../" * file.count("/") + CHAIN_DIR, run_url=chain.url, step=m.step, blob=m.id or "",
                                 raw_bytes=m.raw_bytes, stored_bytes=m.stored_bytes)
         Store(folder_url, storage_options).put_atomic(file, to_bytes(entry))
         done[file] = m.step

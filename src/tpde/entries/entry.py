@@ -44,13 +44,16 @@ MEMBER = "archive/tpde-entry.json"
 MAX_ENTRY_BYTES = 64 * 1024
 #: Where a chain lives relative to the entries that point into it.
 CHAIN_DIR = ".tpde"
+#: The entry of a checkpoint that is a folder (a Hugging Face ``checkpoint-N/``): its chain
+#: is the checkpoint folder's parent's ``CHAIN_DIR`` (``run`` is ``../.tpde``), or elsewhere.
+FOLDER_ENTRY = "checkpoint.tpde"
 
 
 @dataclass(frozen=True)
 class CheckpointEntry:
     """What an entry says: which step of which chain, and what saving it cost."""
 
-    run: str  # the chain, relative to the entry's folder
+    run: str  # the chain, relative to the entry's folder (or a URL: a chain elsewhere)
     run_url: str  # the chain where it was written, for copies of the entry moved elsewhere
     step: int
     blob: str  # the step's first blob name (``Manifest.id``): a reused step number never matches
@@ -276,10 +279,16 @@ def folder(path: str) -> str:
     return path.rsplit("/", 1)[0]
 
 
+def beside(path: str, entry: CheckpointEntry | PendingEntry) -> str:
+    """Where the chain of ``entry``, read at ``path``, is: its ``run`` in the entry's folder,
+    or the URL its ``run`` is."""
+    return entry.run if "://" in entry.run else f"{folder(path)}/{entry.run}"
+
+
 def chain_for(path: str, entry: CheckpointEntry,
               storage_options: dict[str, Any] | None = None) -> Chain:
     """The chain ``entry`` (read at ``path``) points into: beside it, else where it was made."""
-    for url in (f"{folder(path)}/{entry.run}", entry.run_url):
+    for url in (beside(path, entry), entry.run_url):
         chain = Chain(url, storage_options)
         if chain.is_run():
             return chain
@@ -361,8 +370,8 @@ def normalize(url: str) -> str:
     return url
 
 
-def same_chain(path: str, entry: CheckpointEntry, chain: Chain) -> bool:
-    return normalize(f"{folder(path)}/{entry.run}") == normalize(chain.url)
+def same_chain(path: str, entry: CheckpointEntry | PendingEntry, chain: Chain) -> bool:
+    return normalize(beside(path, entry)) == normalize(chain.url)
 
 
 def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> bool:
@@ -372,7 +381,8 @@ def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> 
 
 def resolve(target: str, storage_options: dict[str, Any] | None = None
             ) -> tuple[Chain, int | None, str | None]:
-    """What a user may name as a run: a chain, a checkpoint folder, or one entry.
+    """What a user may name as a run: a chain, a folder of checkpoints, one entry, or one
+    checkpoint that is a folder (``FOLDER_ENTRY`` in it: then its entry).
 
     Returns the chain, the entry's step (None unless ``target`` is an entry) and the checkpoint
     folder whose entries are the chain's roots (None unless ``target`` is such a folder).
@@ -387,7 +397,10 @@ def resolve(target: str, storage_options: dict[str, Any] | None = None
     if folder:
         return Chain(f"{target}/{CHAIN_DIR}", storage_options), None, target
     chain = Chain(target, storage_options)
-    if not chain.is_run() and chain.store.kind("") == "file":
+    kind = None if chain.is_run() else chain.store.kind("")
+    if kind == "directory" and chain.store.exists(FOLDER_ENTRY):  # a checkpoint folder
+        target, kind = f"{target}/{FOLDER_ENTRY}", "file"
+    if kind == "file":
         found = read(target, storage_options)
         if found is not None:
             chain = chain_for(target, found, storage_options)

@@ -72,6 +72,9 @@ class ResidentStore(ByteStore):
     def list(self, prefix: str) -> Iterator[Entry]:
         return self._store.list(prefix)
 
+    def folders(self, prefix: str) -> list[str]:
+        return self._store.folders(prefix)
+
     # ------------------------------------------------------------------ writes
     def _refuse(self, rel: str) -> NoReturn:
         raise TPDEError(f"a mounted run is read-only: nothing writes {rel} through a mount; "

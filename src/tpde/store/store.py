@@ -371,16 +371,22 @@ class Store:
 
     def list(self, prefix: str) -> Iterator[Entry]:
         """Objects under ``prefix`` (one level), with sizes and modification times."""
+        for item in self._listed(prefix):
+            if item.get("type") != "directory":
+                yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item),
+                            _version(item))
+
+    def folders(self, prefix: str) -> list[str]:
+        """The folders directly under ``prefix``, by path, sorted."""
+        return sorted(self._rel(item["name"]) for item in self._listed(prefix)
+                      if item.get("type") == "directory")
+
+    def _listed(self, prefix: str) -> list[dict[str, Any]]:
         try:
-            items = self._retry(f"list {prefix} in",
-                                lambda: self.fs.ls(self._abs(prefix), detail=True, refresh=True))
+            return self._retry(f"list {prefix} in",
+                               lambda: self.fs.ls(self._abs(prefix), detail=True, refresh=True))
         except FileNotFoundError:
-            return
-        for item in items:
-            if item.get("type") == "directory":
-                continue
-            yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item),
-                        _version(item))
+            return []
 
 
 

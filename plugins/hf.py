@@ -1,0 +1,449 @@
+"""``tpde.hf.attach``: Hugging Face's ``Trainer``, and every trainer built on it (TRL's
+``SFTTrainer``, ...), storing its checkpoints' weights and optimizer state in one tpde chain.
+
+Each ``checkpoint-N/`` folder keeps every small file as the ``Trainer`` writes it (config,
+tokenizer, ``trainer_state.json``, scheduler, RNG states, adapter config) and holds an entry,
+``checkpoint.tpde``, in place of the weight files and ``optimizer.pt``; their tensors are a step
+of the chain in ``output_dir/.tpde`` (``entries.folder_checkpoint`` has the step's layout).
+
+How it hooks in, on the trainer object itself (so that it works whatever else a subclass
+overrides): while ``_save_checkpoint`` runs, the weight files that ``save_pretrained`` (or the
+``Trainer``, or PEFT) would write are taken instead of written, in this thread only, as is the
+optimizer's state; the rest of the checkpoint is written as before. The step is then snapshot
+and saved in the background, as the Lightning plugin does (``plugins/worker.py``), and the
+steps of folders that the ``Trainer``'s rotation deleted are hidden and freed. Resuming,
+``load_best_model_at_end`` and ``train(resume_from_checkpoint=True)`` read the entry; a
+checkpoint without one (a plain Hugging Face checkpoint) is read by the ``Trainer`` as always.
+DeepSpeed, FSDP, XLA and SageMaker checkpoints are left to the ``Trainer``: nothing of theirs is
+taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import sys
+import threading
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from tpde.api import Checkpointer, snapshot
+from tpde.chain import Chain, SaveOptions
+from tpde.entries import checkpoint_folder, folder_checkpoint
+from tpde.entries import entry as entries
+from tpde.errors import TPDEError
+from tpde.plugins import pending, writers
+from tpde.plugins.ledger import Ledger, SaveReport
+from tpde.plugins.worker import Worker
+from tpde.state import tree
+
+#: The functions that write a weight file, by module: the ``Trainer``'s own (a model that is
+#: not a ``PreTrainedModel``), ``save_pretrained``'s, and PEFT's.
+WRITERS = (("safetensors.torch", "save_file"), ("transformers.modeling_utils", "safe_save_file"),
+           ("peft.peft_model", "safe_save_file"))
+#: The ``Trainer``'s file names and checkpoint folders.
+OPTIMIZER, SCHEDULER, TRAINER_STATE = "optimizer.pt", "scheduler.pt", "trainer_state.json"
+CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass
+class _Taken:
+    """What one ``_save_checkpoint`` handed over instead of writing."""
+
+    weights: dict[str, folder_checkpoint.WeightFile] = field(default_factory=dict)
+    optimizer: Any = None
+    folder: str | None = None
+
+
+class _Hooked:
+    """The weight-file writers of ``WRITERS``, replaced while a checkpoint is saved: a file
+    that the saving thread writes into the checkpoint folder is taken, any other is written."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def taking(self, folder: str, taken: _Taken) -> Iterator[None]:
+        thread, folder = threading.get_ident(), os.path.abspath(folder)
+        replaced = []
+        with self._lock:
+            for module, name in WRITERS:
+                mod = sys.modules.get(module)
+                real = getattr(mod, name, None)
+                if real is None:
+                    continue
+
+                def take(tensors: dict[str, torch.Tensor], filename: str,
+                         metadata: dict[str, str] | None = None, *, _real: Callable = real
+                         ) -> None:
+                    path = os.path.abspath(str(filename))
+                    if threading.get_ident() != thread or os.path.dirname(path) != folder:
+                        return _real(tensors, filename, metadata=metadata)
+                    taken.weights[os.path.basename(path)] = (dict(tensors), metadata)
+
+                setattr(mod, name, take)
+                replaced.append((mod, name, real))
+            try:
+                yield
+            finally:
+                for mod, name, real in replaced:
+                    setattr(mod, name, real)
+
+
+_HOOKED = _Hooked()
+
+
+def _trainer_module() -> types.ModuleType:
+    return importlib.import_module("transformers.trainer")
+
+
+class Checkpoints:
+    """A ``Trainer``'s checkpoints in a tpde chain (``trainer.tpde`` after ``attach``).
+
+    Args:
+        trainer: the ``transformers.Trainer`` (or subclass) whose checkpoints these are.
+        chain: where the chain lives (default: ``.tpde`` in the trainer's ``output_dir``); any
+            fsspec URL. The ``checkpoint-N/`` folders stay in ``output_dir``.
+        storage_options: fsspec's options for the chain's store.
+        async_save: save in a background thread while training goes on (the training thread
+            waits only for a copy of the state).
+        max_pending: saves that may wait behind the running one before training waits.
+        **options: the save settings, ``Checkpointer``'s (``SaveOptions`` lists them).
+    """
+
+    def __init__(self, trainer: Any, *, chain: str | None = None,
+                 storage_options: dict[str, Any] | None = None, async_save: bool = True,
+                 max_pending: int = 1, **options: Any) -> None:
+        if max_pending < 0:
+            raise ValueError("max_pending must be >= 0")
+        self.options = SaveOptions.of(options, "tpde.hf.attach")
+        if self.options.bounds is not None:
+            raise TPDEError("tpde.hf.attach does not take error_bound: a resumed Trainer must "
+                            "continue bit for bit; use tpde.Checkpointer for a lossy chain")
+        self.trainer = trainer
+        self.output_dir = os.path.abspath(trainer.args.output_dir)
+        self.chain_url = chain or os.path.join(self.output_dir, entries.CHAIN_DIR)
+        self.storage_options = dict(storage_options or {})
+        self.async_save = async_save
+        self.ledger = Ledger()
+        self._room = threading.Semaphore(max_pending + 1)
+        self._worker = Worker("tpde-hf")
+        self._seen: checkpoint_folder.Seen = {}
+        self._taken: _Taken | None = None
+        self._resumed: tuple[str, Any] | None = None  # a resume's optimizer state, by folder
+        self._used = False
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def reports(self) -> list[SaveReport]:
+        """Every save's report, in the order they were committed."""
+        return self.ledger.reports
+
+    def wait(self) -> None:
+        """Block until queued saves are done; raise the first that failed."""
+        self._worker.wait()
+
+    def close(self) -> None:
+        """Wait for every save, free what removed checkpoints still hold and give up the
+        writer lease (``train`` does this as it returns)."""
+        try:
+            self.wait()
+        finally:
+            if self._used:
+                self.ledger.freed_bytes += writers.release(self.chain_url, self).freed_bytes
+                self._used = False
+
+    def run_for(self) -> writers.Run:
+        """This process's writer of the chain, which this trainer uses until ``close``."""
+        self._used = True
+        return writers.acquire(self.chain_url, self, self.storage_options, self.options.given())
+
+    def relative_chain(self, folder: str) -> str:
+        """The chain as an entry in ``folder`` names it: relative where it is on this disk."""
+        if entries.is_local(self.chain_url):
+            return os.path.relpath(os.path.abspath(self.chain_url.removeprefix("file://")),
+                                   os.path.abspath(folder))
+        return self.chain_url
+
+    # ------------------------------------------------------------------ saving
+    def plain(self) -> bool:
+        """Whether the ``Trainer`` saves plain files, which tpde takes over (not DeepSpeed,
+        FSDP, XLA or SageMaker checkpoints)."""
+        t = self.trainer
+        utils = importlib.import_module("transformers.utils")
+        return not (getattr(t, "is_deepspeed_enabled", False)
+                    or getattr(t, "is_fsdp_enabled", False)
+                    or utils.is_torch_xla_available() or utils.is_sagemaker_mp_enabled())
+
+    def save_checkpoint(self, original: Callable[..., Any], model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint`` with the weights and the optimizer's state taken, then
+        saved as one step of the chain."""
+        self._worker.raise_deferred()
+        taken = self._taken = _Taken()
+        try:
+            original(model, trial)
+        finally:
+            self._taken = None
+        if taken.folder is None or not (taken.weights or taken.optimizer is not None):
+            return  # nothing taken: a checkpoint the Trainer wrote in full
+        state = folder_checkpoint.state_of(taken.weights, taken.optimizer, OPTIMIZER)
+        self._save(taken.folder, state, {"global_step": int(self.trainer.state.global_step)})
+
+    def save_weights(self, original: Callable[..., Any], output_dir: str | None = None,
+                     state_dict: Any = None) -> None:
+        """``Trainer._save``: within a checkpoint, its weight files are taken."""
+        taken = self._taken
+        if taken is None or not self.trainer.args.should_save or not self.plain():
+            return original(output_dir, state_dict)
+        folder = output_dir if output_dir is not None else self.trainer.args.output_dir
+        taken.folder = os.path.abspath(folder)
+        with _HOOKED.taking(folder, taken):
+            return original(output_dir, state_dict)
+
+    def save_optimizer(self, original: Callable[..., Any], output_dir: str) -> None:
+        """``Trainer._save_optimizer_and_scheduler``: within a checkpoint, the optimizer's
+        state is taken; the scheduler's is written as the ``Trainer`` writes it."""
+        taken, t = self._taken, self.trainer
+        if taken is None or not t.args.should_save or not self.plain():
+            return original(output_dir)
+        taken.folder = os.path.abspath(output_dir)
+        taken.optimizer = t.optimizer.state_dict()
+        with warnings.catch_warnings(record=True) as caught:
+            torch.save(t.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
+        importlib.import_module("transformers.trainer_pt_utils").reissue_pt_warnings(caught)
+
+    def _save(self, folder: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        path = os.path.join(folder, entries.FOLDER_ENTRY)
+        started = time.perf_counter()
+        self._room.acquire()
+        try:
+            snap = snapshot(state) if self.async_save else state
+            announced = pending.announce(path, {}, self.relative_chain(folder), self.chain_url)
+        except BaseException:
+            self._room.release()
+            raise
+        stall = (time.perf_counter() - started) * 1e3
+
+        def job(run: bool) -> None:
+            done = False
+            try:
+                if run:
+                    self._write(snap, folder, path, meta, stall)
+                    done = True
+            finally:
+                if announced is not None and not done:
+                    pending.withdraw(path, {}, announced)
+                entries.PENDING.end(path)
+                self._room.release()
+
+        if self.async_save:
+            self._worker.submit(job, f"save of {path}")
+        else:
+            job(True)
+
+    def _write(self, snap: Any, folder: str, path: str, meta: dict[str, Any],
+               stall_ms: float) -> None:
+        started = time.perf_counter()
+        run = self.run_for()
+        with run.lock:
+            if not os.path.isdir(folder):  # rotated away while this save waited
+                return
+            if run.next is None:
+                run.next = run.ckpt.next_step()
+            info = run.ckpt.save(run.next, snap)
+            run.next = info.step + 1
+            if os.path.isdir(folder):
+                pending.publish(path, {}, entries.CheckpointEntry(
+                    run=self.relative_chain(folder), run_url=run.ckpt.chain.url, step=info.step,
+                    blob=run.ckpt.chain.manifest(info.step).id or "", raw_bytes=info.raw_bytes,
+                    stored_bytes=info.stored_bytes, meta=meta))
+                self.ledger.saved(path, os.path.basename(folder), info, stall_ms,
+                                  time.perf_counter() - started)
+            self._collect(run.ckpt)
+
+    def _collect(self, ckpt: Checkpointer) -> None:
+        """Hide the steps no checkpoint folder names any more (the ``Trainer``'s rotation
+        deleted theirs); their bytes go before the run could hold more than the ``Trainer``'s
+        own files would (``Checkpointer.remove``'s ``defer``)."""
+        hidden = checkpoint_folder.orphans(ckpt.chain, self.output_dir, {}, self._seen)
+        if hidden:
+            self.ledger.collected(", ".join(f"step {s}" for s in hidden), hidden,
+                                  ckpt.remove(*hidden, defer=True))
+        self.ledger.at_rest(ckpt.chain, ckpt.chain.at_rest().total)
+
+    # ------------------------------------------------------------------ loading
+    def entry_at(self, checkpoint: str | None) -> tuple[Chain, int] | None:
+        """The chain and step of the checkpoint folder ``checkpoint``'s entry (None: it has
+        none). A save of it still under way in this process is waited for."""
+        if checkpoint is None:
+            return None
+        path = os.path.join(str(checkpoint), entries.FOLDER_ENTRY)
+        if not os.path.isfile(path):
+            return None
+        found = entries.read(path)
+        if found is None:
+            return None
+        chain = entries.chain_for(path, found, self.storage_options)
+        entries.check(chain, found.step, found.blob, path)
+        return chain, found.step
+
+    def load_weights(self, original: Callable[..., Any], checkpoint: str,
+                     model: Any = None) -> None:
+        """``Trainer._load_from_checkpoint``: a checkpoint with an entry is read from the chain
+        (by this process's writer, so that the next save is a delta against it)."""
+        at = self.entry_at(checkpoint)
+        if at is None or not self.plain():
+            return original(checkpoint, model)
+        chain, step = at
+        if entries.normalize(chain.url) == entries.normalize(self.chain_url) \
+                and self.trainer.args.should_save:
+            run = self.run_for()
+            with run.lock:
+                state = run.ckpt.load(step, "cpu")
+        else:
+            state, _ = chain.load(step, map_location="cpu", keep_words=False)
+        self._resumed = (os.path.abspath(checkpoint), state.get("optimizer"))
+        self._apply(model if model is not None else self.trainer.model, state["model"])
+
+    def load_optimizer(self, original: Callable[..., Any], checkpoint: str | None) -> None:
+        """``Trainer._load_optimizer_and_scheduler``: the optimizer's state from the chain,
+        the scheduler's from its file, as the ``Trainer`` loads both (only where both are)."""
+        resumed, self._resumed = self._resumed, None
+        at = self.entry_at(checkpoint)
+        if at is None or not self.plain():
+            return original(checkpoint)
+        if resumed is not None and resumed[0] == os.path.abspath(str(checkpoint)):
+            optimizer = resumed[1]
+        else:
+            chain, step = at
+            skeleton = chain.manifest(step).skeleton
+            optimizer = chain.load(step, map_location="cpu", keep_words=False,
+                                   within="optimizer")[0] \
+                if "optimizer" in tree.keys(skeleton) else None
+        scheduler = os.path.join(str(checkpoint), SCHEDULER)
+        if optimizer is None or not os.path.isfile(scheduler):
+            return  # the Trainer loads neither then
+        t = self.trainer
+        t.optimizer.load_state_dict(optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            t.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        importlib.import_module("transformers.trainer_pt_utils").reissue_pt_warnings(caught)
+
+    def load_best(self, original: Callable[..., Any]) -> None:
+        """``Trainer._load_best_model``: the best checkpoint's weights from the chain."""
+        at = self.entry_at(self.trainer.state.best_model_checkpoint)
+        if at is None or not self.plain():
+            return original()
+        chain, step = at
+        weights, _ = chain.load(step, map_location="cpu", keep_words=False, within="model")
+        self._apply(self.trainer.model, weights)
+
+    def _apply(self, model: Any, weights: dict[str, torch.Tensor]) -> None:
+        """Load ``weights`` into ``model`` as the ``Trainer`` loads a weight file: an adapter
+        into a PEFT model's active adapter, else ``load_state_dict(..., strict=False)``."""
+        if _trainer_module()._is_peft_model(model):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, weights, adapter_name=model.active_adapters[0])
+            return
+        self.trainer._issue_warnings_after_load(model.load_state_dict(weights, False))
+
+    def last_checkpoint(self) -> str | None:
+        """The newest ``checkpoint-N`` folder a resume can read: one whose save committed (a
+        save cut short leaves its folder without a committed entry) or a plain one."""
+        folders = [n for n in os.listdir(self.output_dir) if CHECKPOINT.match(n)
+                   and os.path.isdir(os.path.join(self.output_dir, n))] \
+            if os.path.isdir(self.output_dir) else []
+        for name in sorted(folders, key=lambda n: -int(CHECKPOINT.match(n).group(1))):
+            folder = os.path.join(self.output_dir, name)
+            if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+                continue
+            path = os.path.join(folder, entries.FOLDER_ENTRY)
+            if not os.path.exists(path):
+                return folder
+            try:
+                found = entries.read_any(path)
+            except (OSError, TPDEError):
+                continue
+            if isinstance(found, entries.CheckpointEntry):
+                return folder
+        return None
+
+    def train(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``: ``resume_from_checkpoint=True`` resumes from the newest
+        checkpoint whose save committed; every save is committed when it returns."""
+        if args and args[0] is True:
+            args = (self._resume_point(), *args[1:])
+        elif kwargs.get("resume_from_checkpoint") is True:
+            kwargs["resume_from_checkpoint"] = self._resume_point()
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # the training error is the one to see
+                self.close()
+            raise
+        self.close()
+        return out
+
+    def _resume_point(self) -> str:
+        found = self.last_checkpoint()
+        if found is None:
+            raise ValueError(f"No valid checkpoint found in output directory ({self.output_dir})")
+        return found
+
+
+#: The ``Trainer`` methods ``attach`` wraps, and the ``Checkpoints`` method each goes through.
+HOOKS = {"_save_checkpoint": "save_checkpoint", "_save": "save_weights",
+         "_save_optimizer_and_scheduler": "save_optimizer",
+         "_load_from_checkpoint": "load_weights",
+         "_load_optimizer_and_scheduler": "load_optimizer", "_load_best_model": "load_best",
+         "train": "train"}
+
+
+def attach(trainer: Any, **settings: Any) -> Any:
+    """Store ``trainer``'s checkpoints in a tpde chain; returns the trainer.
+
+    Works for ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ...),
+    whatever else they override: the hooks wrap the trainer's own methods. ``save_model()``
+    and ``push_to_hub()`` still write plain Hugging Face files.
+
+    Args:
+        trainer: the trainer, before ``train``.
+        **settings: ``Checkpoints``' (``chain``, ``storage_options``, ``async_save``,
+            ``max_pending``) and the save settings of ``Checkpointer``.
+
+    Returns:
+        ``trainer``, with ``trainer.tpde`` (its ``Checkpoints``: reports, ``wait``).
+
+    Example:
+        >>> trainer = tpde.hf.attach(Trainer(model, args, train_dataset=data))
+        >>> trainer.train()
+        >>> trainer.train(resume_from_checkpoint=True)  # in a later run
+    """
+    if isinstance(getattr(trainer, "tpde", None), Checkpoints):
+        raise TPDEError("this trainer is attached already; attach it once")
+    hooks = Checkpoints(trainer, **settings)
+    for name, through in HOOKS.items():
+        original = getattr(trainer, name)
+        setattr(trainer, name, types.MethodType(_hooked(getattr(hooks, through), original),
+                                                trainer))
+    trainer.tpde = hooks
+    return trainer
+
+
+def _hooked(through: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    def hooked(_trainer: Any, *args: Any, **kwargs: Any) -> Any:
+        return through(original, *args, **kwargs)
+
+    hooked.__doc__ = through.__doc__
+    return hooked
+
+
+__all__ = ["Checkpoints", "attach"]
