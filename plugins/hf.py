@@ -266,17 +266,19 @@ class Checkpoints:
                     stored_bytes=info.stored_bytes, meta=meta))
                 self.ledger.saved(path, os.path.basename(folder), info, stall_ms,
                                   time.perf_counter() - started)
-            self._collect(run.ckpt)
+            if not self._collect(run.ckpt) and info.run_bytes is not None:
+                self.ledger.at_rest(run.ckpt.chain, info.run_bytes, added=info.raw_bytes)
 
-    def _collect(self, ckpt: Checkpointer) -> None:
+    def _collect(self, ckpt: Checkpointer) -> bool:
         """Hide the steps no checkpoint folder names any more (the ``Trainer``'s rotation
         deleted theirs); their bytes go before the run could hold more than the ``Trainer``'s
-        own files would (``Checkpointer.remove``'s ``defer``)."""
+        own files would (``Checkpointer.remove``'s ``defer``). Whether any was hidden."""
         hidden = checkpoint_folder.orphans(ckpt.chain, self.output_dir, {}, self._seen)
-        if hidden:
-            self.ledger.collected(", ".join(f"step {s}" for s in hidden), hidden,
-                                  ckpt.remove(*hidden, defer=True))
+        if not hidden:
+            return False
+        self.ledger.collected("rotated checkpoints", hidden, ckpt.remove(*hidden, defer=True))
         self.ledger.at_rest(ckpt.chain, ckpt.chain.at_rest().total)
+        return True
 
     # ------------------------------------------------------------------ loading
     def entry_at(self, checkpoint: str | None) -> tuple[Chain, int] | None:
@@ -316,12 +318,14 @@ class Checkpoints:
         """``Trainer._load_optimizer_and_scheduler``: the optimizer's state from the chain,
         the scheduler's from its file, as the ``Trainer`` loads both (only where both are)."""
         resumed, self._resumed = self._resumed, None
-        at = self.entry_at(checkpoint)
-        if at is None or not self.plain():
+        if checkpoint is None or not self.plain():
             return original(checkpoint)
         if resumed is not None and resumed[0] == os.path.abspath(str(checkpoint)):
-            optimizer = resumed[1]
+            optimizer = resumed[1]  # read with the weights: the entry is not read again
         else:
+            at = self.entry_at(checkpoint)
+            if at is None:
+                return original(checkpoint)
             chain, step = at
             skeleton = chain.manifest(step).skeleton
             optimizer = chain.load(step, map_location="cpu", keep_words=False,

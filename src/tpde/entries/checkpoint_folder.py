@@ -70,8 +70,9 @@ def _files(folder_url: str, storage_options: dict[str, Any] | None) -> Iterator[
     ``FOLDER_ENTRY`` of each of its folders (checkpoints that are folders, as Hugging Face's
     ``checkpoint-N/``; a folder whose name starts with a dot, a chain's, is no checkpoint)."""
     store = Store(folder_url, storage_options)
-    yield from store.list("")
-    for sub in store.folders(""):
+    files, folders = store.contents("")
+    yield from files
+    for sub in folders:
         if not sub.rsplit("/", 1)[-1].startswith("."):
             yield from (item for item in store.list(sub)
                         if item.path.rsplit("/", 1)[-1] == FOLDER_ENTRY)

@@ -72,8 +72,8 @@ class ResidentStore(ByteStore):
     def list(self, prefix: str) -> Iterator[Entry]:
         return self._store.list(prefix)
 
-    def folders(self, prefix: str) -> list[str]:
-        return self._store.folders(prefix)
+    def contents(self, prefix: str) -> tuple[list[Entry], list[str]]:
+        return self._store.contents(prefix)
 
     # ------------------------------------------------------------------ writes
     def _refuse(self, rel: str) -> NoReturn:

@@ -371,22 +371,20 @@ class Store:
 
     def list(self, prefix: str) -> Iterator[Entry]:
         """Objects under ``prefix`` (one level), with sizes and modification times."""
-        for item in self._listed(prefix):
-            if item.get("type") != "directory":
-                yield Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item),
-                            _version(item))
+        return iter(self.contents(prefix)[0])
 
-    def folders(self, prefix: str) -> list[str]:
-        """The folders directly under ``prefix``, by path, sorted."""
-        return sorted(self._rel(item["name"]) for item in self._listed(prefix)
-                      if item.get("type") == "directory")
-
-    def _listed(self, prefix: str) -> list[dict[str, Any]]:
+    def contents(self, prefix: str) -> tuple[list[Entry], list[str]]:
+        """The objects directly under ``prefix`` (as ``list`` gives them) and its folders, by
+        path, sorted: one listing."""
         try:
-            return self._retry(f"list {prefix} in",
-                               lambda: self.fs.ls(self._abs(prefix), detail=True, refresh=True))
+            items = self._retry(f"list {prefix} in",
+                                lambda: self.fs.ls(self._abs(prefix), detail=True, refresh=True))
         except FileNotFoundError:
-            return []
+            return [], []
+        files = [Entry(self._rel(item["name"]), int(item.get("size") or 0), _mtime(item),
+                       _version(item)) for item in items if item.get("type") != "directory"]
+        return files, sorted(self._rel(item["name"]) for item in items
+                             if item.get("type") == "directory")
 
 
 
