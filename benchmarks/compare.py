@@ -316,15 +316,15 @@ def main() -> None:
     tag = "_quick" if args.quick else ""
     out = args.json or os.path.join(HERE, "results", f"compare{tag}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    os.makedirs(args.plots, exist_ok=True)
-    pngs = plot(results, args.plots, tag)
-    with open(out, "w") as f:
+    with open(out, "w") as f:  # before the plots: the figures outlive a plotting error
         json.dump({"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                "torch": torch.__version__, "platform": platform.platform()},
                    "command": " ".join(["python", "benchmarks/compare.py"] + sys.argv[1:]),
                    "quick": args.quick, "repeats": args.repeats,
                    "minutes": (time.perf_counter() - started) / 60, "workloads": results},
                   f, indent=1)
+    os.makedirs(args.plots, exist_ok=True)
+    pngs = plot(results, args.plots, tag)
     print(f"\nwrote {out} and {', '.join(pngs)} in {(time.perf_counter() - started) / 60:.1f} min")
 
 

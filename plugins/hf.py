@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from tpde.chain import Chain, SaveOptions
 from tpde.entries import checkpoint_folder, folder_checkpoint
 from tpde.entries import entry as entries
 from tpde.errors import TPDEError
-from tpde.plugins import pending, writers
+from tpde.plugins import hf_folders, pending, writers
 from tpde.plugins.ledger import Ledger, SaveReport
 from tpde.plugins.worker import Worker
 from tpde.state import tree
@@ -48,9 +47,8 @@ from tpde.state import tree
 #: not a ``PreTrainedModel``), ``save_pretrained``'s, and PEFT's.
 WRITERS = (("safetensors.torch", "save_file"), ("transformers.modeling_utils", "safe_save_file"),
            ("peft.peft_model", "safe_save_file"))
-#: The ``Trainer``'s file names and checkpoint folders.
-OPTIMIZER, SCHEDULER, TRAINER_STATE = "optimizer.pt", "scheduler.pt", "trainer_state.json"
-CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+#: The ``Trainer``'s file names.
+OPTIMIZER, SCHEDULER = "optimizer.pt", "scheduler.pt"
 
 
 @dataclass
@@ -104,6 +102,15 @@ def _trainer_module() -> types.ModuleType:
     return importlib.import_module("transformers.trainer")
 
 
+def _plain(trainer: Any) -> bool:
+    """Whether the ``Trainer`` saves plain files, which tpde takes over (not DeepSpeed, FSDP,
+    XLA or SageMaker checkpoints)."""
+    utils = importlib.import_module("transformers.utils")
+    return not (getattr(trainer, "is_deepspeed_enabled", False)
+                or getattr(trainer, "is_fsdp_enabled", False)
+                or utils.is_torch_xla_available() or utils.is_sagemaker_mp_enabled())
+
+
 class Checkpoints:
     """A ``Trainer``'s checkpoints in a tpde chain (``trainer.tpde`` after ``attach``).
 
@@ -115,12 +122,14 @@ class Checkpoints:
         async_save: save in a background thread while training goes on (the training thread
             waits only for a copy of the state).
         max_pending: saves that may wait behind the running one before training waits.
+        link_unchanged: make each file that is byte for byte the previous checkpoint's (config,
+            tokenizer, ...) a hard link to it, so that it is held once (``hf_folders``).
         **options: the save settings, ``Checkpointer``'s (``SaveOptions`` lists them).
     """
 
     def __init__(self, trainer: Any, *, chain: str | None = None,
                  storage_options: dict[str, Any] | None = None, async_save: bool = True,
-                 max_pending: int = 1, **options: Any) -> None:
+                 max_pending: int = 1, link_unchanged: bool = True, **options: Any) -> None:
         if max_pending < 0:
             raise ValueError("max_pending must be >= 0")
         self.options = SaveOptions.of(options, "tpde.hf.attach")
@@ -132,10 +141,14 @@ class Checkpoints:
         self.chain_url = chain or os.path.join(self.output_dir, entries.CHAIN_DIR)
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
+        self.link_unchanged = link_unchanged
         self.ledger = Ledger()
         self._room = threading.Semaphore(max_pending + 1)
         self._worker = Worker("tpde-hf")
         self._seen: checkpoint_folder.Seen = {}
+        # Held while the Trainer writes and rotates checkpoint folders, and while a background
+        # save writes into one: a folder is never written into as rotation deletes it.
+        self._folders = threading.Lock()
         self._taken: _Taken | None = None
         self._resumed: tuple[str, Any] | None = None  # a resume's optimizer state, by folder
         self._used = False
@@ -173,34 +186,32 @@ class Checkpoints:
         return self.chain_url
 
     # ------------------------------------------------------------------ saving
-    def plain(self) -> bool:
-        """Whether the ``Trainer`` saves plain files, which tpde takes over (not DeepSpeed,
-        FSDP, XLA or SageMaker checkpoints)."""
-        t = self.trainer
-        utils = importlib.import_module("transformers.utils")
-        return not (getattr(t, "is_deepspeed_enabled", False)
-                    or getattr(t, "is_fsdp_enabled", False)
-                    or utils.is_torch_xla_available() or utils.is_sagemaker_mp_enabled())
-
     def save_checkpoint(self, original: Callable[..., Any], model: Any, trial: Any) -> None:
         """``Trainer._save_checkpoint`` with the weights and the optimizer's state taken, then
         saved as one step of the chain."""
         self._worker.raise_deferred()
+        t = self.trainer
+        # A step saved again writes into its folder: no other checkpoint may change with it.
+        hf_folders.unshare(os.path.join(t._get_output_dir(trial=trial),
+                                        f"checkpoint-{t.state.global_step}"))
         taken = self._taken = _Taken()
         try:
-            original(model, trial)
+            with self._folders:
+                original(model, trial)
         finally:
             self._taken = None
         if taken.folder is None or not (taken.weights or taken.optimizer is not None):
             return  # nothing taken: a checkpoint the Trainer wrote in full
         state = folder_checkpoint.state_of(taken.weights, taken.optimizer, OPTIMIZER)
-        self._save(taken.folder, state, {"global_step": int(self.trainer.state.global_step)})
+        progress = self.trainer.state
+        self._save(taken.folder, state, {"global_step": int(progress.global_step),
+                                         "epoch": progress.epoch})
 
     def save_weights(self, original: Callable[..., Any], output_dir: str | None = None,
                      state_dict: Any = None) -> None:
         """``Trainer._save``: within a checkpoint, its weight files are taken."""
         taken = self._taken
-        if taken is None or not self.trainer.args.should_save or not self.plain():
+        if taken is None or not self.trainer.args.should_save or not _plain(self.trainer):
             return original(output_dir, state_dict)
         folder = output_dir if output_dir is not None else self.trainer.args.output_dir
         taken.folder = os.path.abspath(folder)
@@ -211,7 +222,7 @@ class Checkpoints:
         """``Trainer._save_optimizer_and_scheduler``: within a checkpoint, the optimizer's
         state is taken; the scheduler's is written as the ``Trainer`` writes it."""
         taken, t = self._taken, self.trainer
-        if taken is None or not t.args.should_save or not self.plain():
+        if taken is None or not t.args.should_save or not _plain(self.trainer):
             return original(output_dir)
         taken.folder = os.path.abspath(output_dir)
         taken.optimizer = t.optimizer.state_dict()
@@ -225,23 +236,38 @@ class Checkpoints:
         self._room.acquire()
         try:
             snap = snapshot(state) if self.async_save else state
-            announced = pending.announce(path, {}, self.relative_chain(folder), self.chain_url)
+            times = hf_folders.Times(folder)
         except BaseException:
             self._room.release()
             raise
+        entries.PENDING.begin(path)  # readers in this process wait for the save from here
         stall = (time.perf_counter() - started) * 1e3
 
         def job(run: bool) -> None:
-            done = False
+            announced, done = None, False
             try:
                 if run:
-                    self._write(snap, folder, path, meta, stall)
+                    with self._folders:  # not while the Trainer writes or rotates folders
+                        if not os.path.isdir(folder):
+                            return  # rotated away while this save waited
+                        announced = pending.announce(path, {}, self.relative_chain(folder),
+                                                     self.chain_url, begin=False)
+                        before = hf_folders.previous(folder) if self.link_unchanged else None
+                        if before is not None:
+                            hf_folders.link_unchanged(folder, before)
+                        times.restore()
+                    self._write(snap, folder, path, meta, stall, times)
                     done = True
             finally:
-                if announced is not None and not done:
-                    pending.withdraw(path, {}, announced)
-                entries.PENDING.end(path)
-                self._room.release()
+                try:
+                    with self._folders:
+                        if os.path.isdir(folder):
+                            if announced is not None and not done:
+                                pending.withdraw(path, {}, announced)
+                            times.restore()
+                finally:
+                    entries.PENDING.end(path)
+                    self._room.release()
 
         if self.async_save:
             self._worker.submit(job, f"save of {path}")
@@ -249,21 +275,28 @@ class Checkpoints:
             job(True)
 
     def _write(self, snap: Any, folder: str, path: str, meta: dict[str, Any],
-               stall_ms: float) -> None:
+               stall_ms: float, times: hf_folders.Times) -> None:
         started = time.perf_counter()
         run = self.run_for()
         with run.lock:
             if not os.path.isdir(folder):  # rotated away while this save waited
                 return
+            # Steps whose folders rotation deleted go first: a re-base they need then writes
+            # before this step's bytes are there, as the Trainer's own peak has room for.
+            self._collect(run.ckpt)
             if run.next is None:
                 run.next = run.ckpt.next_step()
             info = run.ckpt.save(run.next, snap)
             run.next = info.step + 1
-            if os.path.isdir(folder):
-                pending.publish(path, {}, entries.CheckpointEntry(
-                    run=self.relative_chain(folder), run_url=run.ckpt.chain.url, step=info.step,
-                    blob=run.ckpt.chain.manifest(info.step).id or "", raw_bytes=info.raw_bytes,
-                    stored_bytes=info.stored_bytes, meta=meta))
+            with self._folders:
+                published = os.path.isdir(folder)
+                if published:
+                    pending.publish(path, {}, entries.CheckpointEntry(
+                        run=self.relative_chain(folder), run_url=run.ckpt.chain.url,
+                        step=info.step, blob=run.ckpt.chain.manifest(info.step).id or "",
+                        raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
+                    times.restore()
+            if published:
                 self.ledger.saved(path, os.path.basename(folder), info, stall_ms,
                                   time.perf_counter() - started)
             if not self._collect(run.ckpt) and info.run_bytes is not None:
@@ -301,7 +334,7 @@ class Checkpoints:
         """``Trainer._load_from_checkpoint``: a checkpoint with an entry is read from the chain
         (by this process's writer, so that the next save is a delta against it)."""
         at = self.entry_at(checkpoint)
-        if at is None or not self.plain():
+        if at is None or not _plain(self.trainer):
             return original(checkpoint, model)
         chain, step = at
         if entries.normalize(chain.url) == entries.normalize(self.chain_url) \
@@ -318,7 +351,7 @@ class Checkpoints:
         """``Trainer._load_optimizer_and_scheduler``: the optimizer's state from the chain,
         the scheduler's from its file, as the ``Trainer`` loads both (only where both are)."""
         resumed, self._resumed = self._resumed, None
-        if checkpoint is None or not self.plain():
+        if checkpoint is None or not _plain(self.trainer):
             return original(checkpoint)
         if resumed is not None and resumed[0] == os.path.abspath(str(checkpoint)):
             optimizer = resumed[1]  # read with the weights: the entry is not read again
@@ -343,7 +376,7 @@ class Checkpoints:
     def load_best(self, original: Callable[..., Any]) -> None:
         """``Trainer._load_best_model``: the best checkpoint's weights from the chain."""
         at = self.entry_at(self.trainer.state.best_model_checkpoint)
-        if at is None or not self.plain():
+        if at is None or not _plain(self.trainer):
             return original()
         chain, step = at
         weights, _ = chain.load(step, map_location="cpu", keep_words=False, within="model")
@@ -360,33 +393,17 @@ class Checkpoints:
         self.trainer._issue_warnings_after_load(model.load_state_dict(weights, False))
 
     def last_checkpoint(self) -> str | None:
-        """The newest ``checkpoint-N`` folder a resume can read: one whose save committed (a
-        save cut short leaves its folder without a committed entry) or a plain one."""
-        folders = [n for n in os.listdir(self.output_dir) if CHECKPOINT.match(n)
-                   and os.path.isdir(os.path.join(self.output_dir, n))] \
-            if os.path.isdir(self.output_dir) else []
-        for name in sorted(folders, key=lambda n: -int(CHECKPOINT.match(n).group(1))):
-            folder = os.path.join(self.output_dir, name)
-            if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
-                continue
-            path = os.path.join(folder, entries.FOLDER_ENTRY)
-            if not os.path.exists(path):
-                return folder
-            try:
-                found = entries.read_any(path)
-            except (OSError, TPDEError):
-                continue
-            if isinstance(found, entries.CheckpointEntry):
-                return folder
-        return None
+        """The newest ``checkpoint-N`` folder a resume can read (``hf_folders``)."""
+        return hf_folders.last_checkpoint(self.output_dir)
 
     def train(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``: ``resume_from_checkpoint=True`` resumes from the newest
         checkpoint whose save committed; every save is committed when it returns."""
-        if args and args[0] is True:
-            args = (self._resume_point(), *args[1:])
-        elif kwargs.get("resume_from_checkpoint") is True:
-            kwargs["resume_from_checkpoint"] = self._resume_point()
+        if _plain(self.trainer):  # else the Trainer finds its own checkpoints
+            if args and args[0] is True:
+                args = (self._resume_point(), *args[1:])
+            elif kwargs.get("resume_from_checkpoint") is True:
+                kwargs["resume_from_checkpoint"] = self._resume_point()
         try:
             out = original(*args, **kwargs)
         except BaseException:

@@ -12,18 +12,24 @@ from tpde.errors import TPDEError
 
 
 def announce(path: str, options: dict[str, Any], chain_dir: str,
-             chain_url: str) -> entries.PendingEntry | None:
+             chain_url: str, *, begin: bool = True) -> entries.PendingEntry | None:
     """Write the pending entry at ``path``, keeping the committed entry it replaces. A plain
     checkpoint there (a run that switched to tpde) stays until the step commits: None. Either
-    way readers in this process wait for the save (``entries.PENDING``) until ``PENDING.end``.
+    way readers in this process wait for the save (``entries.PENDING``) until ``PENDING.end``
+    (``begin=False``: the caller began that wait itself, and ends it).
     """
     previous, plain = entries.replaced(path, options)
     if plain:
-        entries.PENDING.begin(path)
+        if begin:
+            entries.PENDING.begin(path)
         return None
     pending = entries.PendingEntry(run=chain_dir, run_url=chain_url,
                                    writer=entries.this_writer(), token=uuid.uuid4().hex,
                                    previous=previous)
+    if not begin:
+        at, name = entries.store_at(path, options)
+        at.put_atomic(name, entries.to_bytes(pending))
+        return pending
     entries.PENDING.begin(path)
     try:
         at, name = entries.store_at(path, options)

@@ -73,8 +73,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--step", help=STEP_HELP + " (default: the entry's, else the latest)")
     c = command("restore", "Write a step as a file that plain torch.load (or safetensors) reads.")
     c.add_argument("--step", help=STEP_HELP + " (default: the latest)")
-    c.add_argument("--output", required=True, help="file to write")
-    c.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    c.add_argument("--output", required=True, help="file to write (a folder for a "
+                   "checkpoint folder's step: tpde.hf's checkpoint-N)")
+    c.add_argument("--format", choices=("torch", "safetensors", "folder"), default=None,
+                   help="default: folder for a checkpoint folder's step (the plain folder "
+                   "its framework wrote), else torch")
     c.add_argument("--key", help="write only this top-level part of the checkpoint (default: "
                    "torch: all of it; safetensors: the model's weights, state_dict or model; "
                    "'' for all)")

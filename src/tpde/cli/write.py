@@ -14,7 +14,8 @@ from tpde.api import Checkpointer, Snapshot
 from tpde.chain import Chain, span_words
 from tpde.cli import show
 from tpde.codec import dtypes
-from tpde.entries import checkpoint_folder
+from tpde.entries import checkpoint_folder, folder_checkpoint
+from tpde.entries import entry as entries
 from tpde.errors import LossyWarning, StepExistsError, TPDEError
 from tpde.state import tree
 from tpde.state.keys import weights_key
@@ -36,24 +37,23 @@ def _writable(path: str) -> None:
 
 
 def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
+    step = args.step if args.step is not None else chain.latest()
+    m = chain.manifest(step)
+    if args.format is None:  # a folder checkpoint's step, whole, is a folder again
+        args.format = "folder" if args.key is None \
+            and folder_checkpoint.is_folder_state(m.skeleton) else "torch"
+    if args.format == "folder":
+        _restore_folder(chain, step, args)
+        return 0
     _writable(args.output)
     if args.format == "safetensors":
         _safetensors()
-    step = args.step if args.step is not None else chain.latest()
-    m = chain.manifest(step)
     key = args.key
     if key is None and args.format == "safetensors":
         key = weights_key(m.skeleton)  # a model's weights, with the keys load_state_dict takes
     key = key or None  # --key "": the whole checkpoint
     left = [k for k in tree.keys(m.skeleton) if k != key] if key is not None else []
-    with show.bar(m.raw_bytes, f"restoring step {step}", args.quiet) as advance, \
-            warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always", LossyWarning)
-        state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance,
-                              keep_words=False, within=key)
-    lossy = [str(w.message) for w in said if issubclass(w.category, LossyWarning)]
-    for text in lossy[:1]:
-        err.print(f"warning: LOSSY: {text}", markup=False, highlight=False, soft_wrap=True)
+    state, lossy = _load(chain, step, args, key)
     if args.format == "torch":
         torch.save(state, args.output)
     else:
@@ -64,13 +64,62 @@ def cmd_restore(chain: Chain, args: argparse.Namespace) -> int:
                   + (" (not tensors)" if key is None else "")
                   + "; --key chooses another part, --key '' takes the whole checkpoint",
                   markup=False, highlight=False, soft_wrap=True)
+    _said(chain, step, args, {"format": args.format, "key": key, "left_out": left,
+                              "raw_bytes": m.raw_bytes, "lossy": lossy})
+    return 0
+
+
+def _load(chain: Chain, step: int, args: argparse.Namespace, key: str | None
+          ) -> tuple[Any, str | None]:
+    """The step (or its part ``key``) with a progress bar, and the text of its lossy warning
+    (None: lossless), which is printed."""
+    with show.bar(chain.manifest(step).raw_bytes, f"restoring step {step}", args.quiet) \
+            as advance, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", LossyWarning)
+        state, _ = chain.load(step, map_location="cpu", trusted=args.trusted, progress=advance,
+                              keep_words=False, within=key)
+    lossy = [str(w.message) for w in said if issubclass(w.category, LossyWarning)]
+    for text in lossy[:1]:
+        err.print(f"warning: LOSSY: {text}", markup=False, highlight=False, soft_wrap=True)
+    return state, lossy[0] if lossy else None
+
+
+def _said(chain: Chain, step: int, args: argparse.Namespace, facts: dict[str, Any]) -> None:
     if args.json:
-        print(json.dumps({"run": chain.url, "step": step, "output": args.output,
-                          "format": args.format, "key": key, "left_out": left,
-                          "raw_bytes": m.raw_bytes, "lossy": lossy[0] if lossy else None}))
+        print(json.dumps({"run": chain.url, "step": step, "output": args.output, **facts}))
     else:
         err.print(f"restored step {step} of {chain.url} to {args.output}")
-    return 0
+
+
+def _restore_folder(chain: Chain, step: int, args: argparse.Namespace) -> None:
+    """A folder checkpoint's step as the plain folder its framework wrote: the weight files
+    and the optimizer's from the chain, the other files from the checkpoint folder RUN names
+    (where RUN is one)."""
+    m = chain.manifest(step)
+    if not folder_checkpoint.is_folder_state(m.skeleton):
+        raise TPDEError(f"--format folder: step {step} of {chain.url} is not a checkpoint "
+                        "folder's (tpde.hf); choose --format torch or safetensors")
+    if args.key is not None:
+        raise TPDEError("--format folder writes the whole checkpoint; leave out --key")
+    _safetensors()
+    output = args.output.rstrip("/") or args.output
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise TPDEError(f"cannot write --output {output!r}: the folder {parent!r} "
+                        + ("is not writable" if os.path.isdir(parent) else
+                           "does not exist; create it first"))
+    if os.path.exists(output) and not (os.path.isdir(output) and not os.listdir(output)):
+        raise TPDEError(f"cannot write --output {output!r}: it exists and is not an empty "
+                        "folder; name a new folder")
+    source = args.run if entries.holds_folder_entry(args.run, args.options) else None
+    state, lossy = _load(chain, step, args, None)
+    written = folder_checkpoint.write_plain(state, source, output, args.options)
+    if not args.json and source is None:
+        err.print(f"warning: {output} holds the weight and optimizer files only: name the "
+                  "checkpoint folder as RUN to copy its other files too", markup=False,
+                  highlight=False, soft_wrap=True)
+    _said(chain, step, args, {"format": "folder", "files": written, "raw_bytes": m.raw_bytes,
+                              "lossy": lossy})
 
 
 def _safetensors() -> Any:

@@ -22,6 +22,7 @@ import io
 import json
 import lzma
 import os
+import posixpath
 import socket
 import threading
 import time
@@ -282,7 +283,10 @@ def folder(path: str) -> str:
 def beside(path: str, entry: CheckpointEntry | PendingEntry) -> str:
     """Where the chain of ``entry``, read at ``path``, is: its ``run`` in the entry's folder,
     or the URL its ``run`` is."""
-    return entry.run if "://" in entry.run else f"{folder(path)}/{entry.run}"
+    if "://" in entry.run:
+        return entry.run
+    scheme, sep, rest = f"{folder(path)}/{entry.run}".rpartition("://")
+    return f"{scheme}{sep}{posixpath.normpath(rest)}"  # a folder's ``../.tpde``, spelled out
 
 
 def chain_for(path: str, entry: CheckpointEntry,
@@ -379,6 +383,12 @@ def is_entry_folder(url: str, storage_options: dict[str, Any] | None = None) -> 
     return Chain(f"{str(url).rstrip('/')}/{CHAIN_DIR}", storage_options).store.exists(MARKER)
 
 
+def holds_folder_entry(url: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether ``url`` is a checkpoint that is a folder: ``FOLDER_ENTRY`` in it."""
+    chain = Chain(str(url).rstrip("/"), storage_options)
+    return chain.store.kind("") == "directory" and chain.store.exists(FOLDER_ENTRY)
+
+
 def resolve(target: str, storage_options: dict[str, Any] | None = None
             ) -> tuple[Chain, int | None, str | None]:
     """What a user may name as a run: a chain, a folder of checkpoints, one entry, or one
@@ -398,7 +408,7 @@ def resolve(target: str, storage_options: dict[str, Any] | None = None
         return Chain(f"{target}/{CHAIN_DIR}", storage_options), None, target
     chain = Chain(target, storage_options)
     kind = None if chain.is_run() else chain.store.kind("")
-    if kind == "directory" and chain.store.exists(FOLDER_ENTRY):  # a checkpoint folder
+    if kind == "directory" and chain.store.exists(FOLDER_ENTRY):  # a checkpoint that is a folder
         target, kind = f"{target}/{FOLDER_ENTRY}", "file"
     if kind == "file":
         found = read(target, storage_options)
@@ -445,11 +455,17 @@ def load_state_dict(run: str, step: int | None = None, *, model: torch.nn.Module
     chain, step = open_step(run, step, storage_options)
     skeleton = chain.manifest(step).skeleton
     if model is not None:
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        _, container, prefix = keys.match_all(skeleton, shapes, run=chain.url, step=step)
+        tensors = model.state_dict(keep_vars=True)
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        ties = keys.tied(tensors)
+        _, container, prefix = keys.match_all(skeleton, shapes, run=chain.url, step=step,
+                                              ties=ties)
         node, _ = chain.load(step, map_location=map_location, keep_words=False,
                              within=container or None)  # the model's part only
-        state = OrderedDict((k, node[prefix + k]) for k in shapes)
+        state = OrderedDict()
+        for k in shapes:  # a tied weight saved once is found under one of its names
+            name = next(n for n in (k, *ties.get(k, ())) if prefix + n in node)
+            state[k] = node[prefix + name]
         model.load_state_dict(state)
         return state
     container = keys.weights_key(skeleton)

@@ -11,11 +11,15 @@ tensors by the names its weight files give them (one dict, so ``tpde.mount`` and
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import torch
 
+from tpde.entries.entry import FOLDER_ENTRY
 from tpde.errors import TPDEError
+from tpde.store import store
 
 #: The state's key for where each tensor came from.
 LAYOUT = "checkpoint_folder"
@@ -43,3 +47,61 @@ def state_of(weights: dict[str, WeightFile], optimizer: Any | None,
     state[LAYOUT] = {"weights": layout, "optimizer": optimizer_file if optimizer is not None
                      else None}
     return state
+
+
+def is_folder_state(skeleton: Any) -> bool:
+    """Whether a step's skeleton is a folder checkpoint's (``state_of``'s layout)."""
+    return isinstance(skeleton, dict) and LAYOUT in skeleton
+
+
+def files_of(state: dict[str, Any]) -> tuple[dict[str, WeightFile], str | None]:
+    """``state_of``'s inverse: the weight files by name, as they were handed over, and the
+    optimizer's file name (None: no optimizer was saved)."""
+    layout = state[LAYOUT]
+    model = state["model"]
+    weights = {file: ({name: model[name] for name in part["tensors"]}, part["metadata"] or None)
+               for file, part in layout["weights"].items()}
+    return weights, layout.get("optimizer")
+
+
+def _ours(name: str) -> bool:
+    """Whether a file of a checkpoint folder is tpde's: the entry, its temporary files, and
+    what tpde's plugins name ``.tpde*`` while they write."""
+    return name == FOLDER_ENTRY or name.startswith((f"{FOLDER_ENTRY}.", ".tpde"))
+
+
+def write_plain(state: dict[str, Any], source: str | None, output: str,
+                storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Write a plain checkpoint folder at ``output`` (a new folder, made whole or not at all):
+    the weight files and the optimizer's file from ``state``, and every other file of the
+    checkpoint folder ``source`` (an fsspec URL; None: none) as it is there. The names of the
+    files written, in order.
+    """
+    from safetensors.torch import save_file
+
+    weights, optimizer_file = files_of(state)
+    partial = f"{output.rstrip(os.sep)}.partial-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    written: list[str] = []
+    try:
+        if source is not None:
+            folder = store.Store(source, storage_options)
+            for found in folder.contents("")[0]:
+                name = found.path
+                if not _ours(name):
+                    with open(os.path.join(partial, name), "wb") as f:
+                        f.write(folder.read(name, found.size))
+                    written.append(name)
+        for file, (tensors, metadata) in weights.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()},
+                      os.path.join(partial, file), metadata=metadata)
+            written.append(file)
+        if optimizer_file is not None:
+            torch.save(state["optimizer"], os.path.join(partial, optimizer_file))
+            written.append(optimizer_file)
+        os.rename(partial, output)  # an empty folder at ``output`` is replaced, else refused
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return written

@@ -67,8 +67,10 @@ def layout(chain: Chain, step: int, model: torch.nn.Module, units: tuple[type, .
     name (under a prefix or container) and shape, grouped by the unit that decodes it."""
     units = UNITS + tuple(units)
     m = chain.manifest(step)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found, _, _ = keys.match_all(m.skeleton, shapes, run=chain.url, step=step)
+    tensors = model.state_dict(keep_vars=True)
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    found, _, _ = keys.match_all(m.skeleton, shapes, run=chain.url, step=step,
+                                 ties=keys.tied(tensors))
     spans = m.spans()
     out: dict[str, list[Owned]] = {}
     for key, node in found.items():

@@ -50,11 +50,27 @@ def match(skeleton: Any, shapes: dict[str, tuple[int, ...]]
     return best[1], best[2], best[3]
 
 
-def match_all(skeleton: Any, shapes: dict[str, tuple[int, ...]], *, run: str, step: int
+def tied(tensors: dict[str, Any]) -> dict[str, list[str]]:
+    """Each state-dict key's other names for the same tensor (tied weights, such as a language
+    model's output layer and its embedding): a save may have written it under one of them."""
+    names: dict[int, list[str]] = {}
+    for k, v in tensors.items():
+        names.setdefault(id(v), []).append(k)
+    return {k: [o for o in group if o != k] for group in names.values() if len(group) > 1
+            for k in group}
+
+
+def match_all(skeleton: Any, shapes: dict[str, tuple[int, ...]], *, run: str, step: int,
+              ties: dict[str, list[str]] | None = None
               ) -> tuple[dict[str, dict[str, Any]], str, str]:
-    """``match``, where every one of the model's keys must be found: a model of another
-    architecture is an error, not a partial (or empty) state dict."""
+    """``match``, where every one of the model's keys must be found (or, for a tied weight,
+    one of its other names, ``tied``): a model of another architecture is an error, not a
+    partial (or empty) state dict."""
     found, container, prefix = match(skeleton, shapes)
+    for k, others in (ties or {}).items():
+        alias = next((o for o in others if o in found), None)
+        if k not in found and alias is not None:
+            found[k] = found[alias]
     missing = [k for k in shapes if k not in found]
     if missing:
         raise TPDEError(f"the step has no stored tensor for {len(missing)} of the model's "
