@@ -9,9 +9,9 @@ of the chain in ``output_dir/.tpde`` (``entries.folder_checkpoint`` has the step
 How it hooks in, on the trainer object itself (so that it works whatever else a subclass
 overrides): while ``_save_checkpoint`` runs, the weight files that ``save_pretrained`` (or the
 ``Trainer``, or PEFT) would write are taken instead of written, in this thread only, as is the
-optimizer's state; the rest of the checkpoint is written as before. The step is then snapshot
-and saved in the background, as the Lightning plugin does (``plugins/worker.py``), and the
-steps of folders that the ``Trainer``'s rotation deleted are hidden and freed. Resuming,
+optimizer's state; the rest of the checkpoint is written as before. The step is then saved
+in the background, and the steps of folders that the ``Trainer``'s rotation deleted are hidden
+and freed (``folder_saves``). Resuming,
 ``load_best_model_at_end`` and ``train(resume_from_checkpoint=True)`` read the entry; a
 checkpoint without one (a plain Hugging Face checkpoint) is read by the ``Trainer`` as always.
 DeepSpeed, FSDP, XLA and SageMaker checkpoints are left to the ``Trainer``: nothing of theirs is
@@ -25,7 +25,6 @@ import importlib
 import os
 import sys
 import threading
-import time
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -33,15 +32,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tpde.api import Checkpointer, snapshot
-from tpde.chain import Chain, SaveOptions
-from tpde.entries import checkpoint_folder, folder_checkpoint
 from tpde.entries import entry as entries
+from tpde.entries import folder_checkpoint
 from tpde.errors import TPDEError
-from tpde.plugins import hf_folders, pending, writers
+from tpde.plugins import hf_folders, writers
+from tpde.plugins.folder_saves import FolderSaves
+from tpde.plugins.hf_accelerate import HOOKS as ACCELERATOR_HOOKS
+from tpde.plugins.hf_accelerate import AcceleratorCheckpoints
 from tpde.plugins.ledger import Ledger, SaveReport
-from tpde.plugins.worker import Worker
-from tpde.state import tree
 
 #: The functions that write a weight file, by module: the ``Trainer``'s own (a model that is
 #: not a ``PreTrainedModel``), ``save_pretrained``'s, and PEFT's.
@@ -130,82 +128,64 @@ class Checkpoints:
     def __init__(self, trainer: Any, *, chain: str | None = None,
                  storage_options: dict[str, Any] | None = None, async_save: bool = True,
                  max_pending: int = 1, link_unchanged: bool = True, **options: Any) -> None:
-        if max_pending < 0:
-            raise ValueError("max_pending must be >= 0")
-        self.options = SaveOptions.of(options, "tpde.hf.attach")
-        if self.options.bounds is not None:
-            raise TPDEError("tpde.hf.attach does not take error_bound: a resumed Trainer must "
-                            "continue bit for bit; use tpde.Checkpointer for a lossy chain")
+        output_dir = os.path.abspath(trainer.args.output_dir)
+        self.saves = FolderSaves(output_dir, chain or os.path.join(output_dir, entries.CHAIN_DIR),
+                                 storage_options, async_save=async_save, max_pending=max_pending,
+                                 link_unchanged=link_unchanged, options=options,
+                                 who="tpde.hf.attach")
         self.trainer = trainer
-        self.output_dir = os.path.abspath(trainer.args.output_dir)
-        self.chain_url = chain or os.path.join(self.output_dir, entries.CHAIN_DIR)
-        self.storage_options = dict(storage_options or {})
-        self.async_save = async_save
-        self.link_unchanged = link_unchanged
-        self.ledger = Ledger()
-        self._room = threading.Semaphore(max_pending + 1)
-        self._worker = Worker("tpde-hf")
-        self._seen: checkpoint_folder.Seen = {}
-        # Held while the Trainer writes and rotates checkpoint folders, and while a background
-        # save writes into one: a folder is never written into as rotation deletes it.
-        self._folders = threading.Lock()
+        self.output_dir = output_dir
         self._taken: _Taken | None = None
         self._resumed: tuple[str, Any] | None = None  # a resume's optimizer state, by folder
-        self._used = False
 
     # ------------------------------------------------------------------ what users read
     @property
     def reports(self) -> list[SaveReport]:
         """Every save's report, in the order they were committed."""
-        return self.ledger.reports
+        return self.saves.reports
+
+    @property
+    def ledger(self) -> Ledger:
+        """The saves' reports and the bytes at rest and freed, as the Lightning plugin's."""
+        return self.saves.ledger
 
     def wait(self) -> None:
         """Block until queued saves are done; raise the first that failed."""
-        self._worker.wait()
+        self.saves.wait()
 
     def close(self) -> None:
         """Wait for every save, free what removed checkpoints still hold and give up the
         writer lease (``train`` does this as it returns)."""
-        try:
-            self.wait()
-        finally:
-            if self._used:
-                self.ledger.freed_bytes += writers.release(self.chain_url, self).freed_bytes
-                self._used = False
+        self.saves.close()
 
     def run_for(self) -> writers.Run:
         """This process's writer of the chain, which this trainer uses until ``close``."""
-        self._used = True
-        return writers.acquire(self.chain_url, self, self.storage_options, self.options.given())
+        return self.saves.run_for()
 
-    def relative_chain(self, folder: str) -> str:
-        """The chain as an entry in ``folder`` names it: relative where it is on this disk."""
-        if entries.is_local(self.chain_url):
-            return os.path.relpath(os.path.abspath(self.chain_url.removeprefix("file://")),
-                                   os.path.abspath(folder))
-        return self.chain_url
+    def last_checkpoint(self) -> str | None:
+        """The newest ``checkpoint-N`` folder a resume can read (``hf_folders``)."""
+        return hf_folders.last_checkpoint(self.output_dir)
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(self, original: Callable[..., Any], model: Any, trial: Any) -> None:
         """``Trainer._save_checkpoint`` with the weights and the optimizer's state taken, then
         saved as one step of the chain."""
-        self._worker.raise_deferred()
+        self.saves.raise_deferred()
         t = self.trainer
         # A step saved again writes into its folder: no other checkpoint may change with it.
         hf_folders.unshare(os.path.join(t._get_output_dir(trial=trial),
                                         f"checkpoint-{t.state.global_step}"))
         taken = self._taken = _Taken()
         try:
-            with self._folders:
+            with self.saves.writing():
                 original(model, trial)
         finally:
             self._taken = None
         if taken.folder is None or not (taken.weights or taken.optimizer is not None):
             return  # nothing taken: a checkpoint the Trainer wrote in full
         state = folder_checkpoint.state_of(taken.weights, taken.optimizer, OPTIMIZER)
-        progress = self.trainer.state
-        self._save(taken.folder, state, {"global_step": int(progress.global_step),
-                                         "epoch": progress.epoch})
+        self.saves.save(taken.folder, state, {"global_step": int(t.state.global_step),
+                                              "epoch": t.state.epoch})
 
     def save_weights(self, original: Callable[..., Any], output_dir: str | None = None,
                      state_dict: Any = None) -> None:
@@ -222,7 +202,7 @@ class Checkpoints:
         """``Trainer._save_optimizer_and_scheduler``: within a checkpoint, the optimizer's
         state is taken; the scheduler's is written as the ``Trainer`` writes it."""
         taken, t = self._taken, self.trainer
-        if taken is None or not t.args.should_save or not _plain(self.trainer):
+        if taken is None or not t.args.should_save or not _plain(t):
             return original(output_dir)
         taken.folder = os.path.abspath(output_dir)
         taken.optimizer = t.optimizer.state_dict()
@@ -230,120 +210,15 @@ class Checkpoints:
             torch.save(t.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))
         importlib.import_module("transformers.trainer_pt_utils").reissue_pt_warnings(caught)
 
-    def _save(self, folder: str, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        path = os.path.join(folder, entries.FOLDER_ENTRY)
-        started = time.perf_counter()
-        self._room.acquire()
-        try:
-            snap = snapshot(state) if self.async_save else state
-            times = hf_folders.Times(folder)
-        except BaseException:
-            self._room.release()
-            raise
-        entries.PENDING.begin(path)  # readers in this process wait for the save from here
-        stall = (time.perf_counter() - started) * 1e3
-
-        def job(run: bool) -> None:
-            announced, done = None, False
-            try:
-                if run:
-                    with self._folders:  # not while the Trainer writes or rotates folders
-                        if not os.path.isdir(folder):
-                            return  # rotated away while this save waited
-                        announced = pending.announce(path, {}, self.relative_chain(folder),
-                                                     self.chain_url, begin=False)
-                        before = hf_folders.previous(folder) if self.link_unchanged else None
-                        if before is not None:
-                            hf_folders.link_unchanged(folder, before)
-                        times.restore()
-                    self._write(snap, folder, path, meta, stall, times)
-                    done = True
-            finally:
-                try:
-                    with self._folders:
-                        if os.path.isdir(folder):
-                            if announced is not None and not done:
-                                pending.withdraw(path, {}, announced)
-                            times.restore()
-                finally:
-                    entries.PENDING.end(path)
-                    self._room.release()
-
-        if self.async_save:
-            self._worker.submit(job, f"save of {path}")
-        else:
-            job(True)
-
-    def _write(self, snap: Any, folder: str, path: str, meta: dict[str, Any],
-               stall_ms: float, times: hf_folders.Times) -> None:
-        started = time.perf_counter()
-        run = self.run_for()
-        with run.lock:
-            if not os.path.isdir(folder):  # rotated away while this save waited
-                return
-            # Steps whose folders rotation deleted go first: a re-base they need then writes
-            # before this step's bytes are there, as the Trainer's own peak has room for.
-            self._collect(run.ckpt)
-            if run.next is None:
-                run.next = run.ckpt.next_step()
-            info = run.ckpt.save(run.next, snap)
-            run.next = info.step + 1
-            with self._folders:
-                published = os.path.isdir(folder)
-                if published:
-                    pending.publish(path, {}, entries.CheckpointEntry(
-                        run=self.relative_chain(folder), run_url=run.ckpt.chain.url,
-                        step=info.step, blob=run.ckpt.chain.manifest(info.step).id or "",
-                        raw_bytes=info.raw_bytes, stored_bytes=info.stored_bytes, meta=meta))
-                    times.restore()
-            if published:
-                self.ledger.saved(path, os.path.basename(folder), info, stall_ms,
-                                  time.perf_counter() - started)
-            if not self._collect(run.ckpt) and info.run_bytes is not None:
-                self.ledger.at_rest(run.ckpt.chain, info.run_bytes, added=info.raw_bytes)
-
-    def _collect(self, ckpt: Checkpointer) -> bool:
-        """Hide the steps no checkpoint folder names any more (the ``Trainer``'s rotation
-        deleted theirs); their bytes go before the run could hold more than the ``Trainer``'s
-        own files would (``Checkpointer.remove``'s ``defer``). Whether any was hidden."""
-        hidden = checkpoint_folder.orphans(ckpt.chain, self.output_dir, {}, self._seen)
-        if not hidden:
-            return False
-        self.ledger.collected("rotated checkpoints", hidden, ckpt.remove(*hidden, defer=True))
-        self.ledger.at_rest(ckpt.chain, ckpt.chain.at_rest().total)
-        return True
-
     # ------------------------------------------------------------------ loading
-    def entry_at(self, checkpoint: str | None) -> tuple[Chain, int] | None:
-        """The chain and step of the checkpoint folder ``checkpoint``'s entry (None: it has
-        none). A save of it still under way in this process is waited for."""
-        if checkpoint is None:
-            return None
-        path = os.path.join(str(checkpoint), entries.FOLDER_ENTRY)
-        if not os.path.isfile(path):
-            return None
-        found = entries.read(path)
-        if found is None:
-            return None
-        chain = entries.chain_for(path, found, self.storage_options)
-        entries.check(chain, found.step, found.blob, path)
-        return chain, found.step
-
     def load_weights(self, original: Callable[..., Any], checkpoint: str,
                      model: Any = None) -> None:
         """``Trainer._load_from_checkpoint``: a checkpoint with an entry is read from the chain
         (by this process's writer, so that the next save is a delta against it)."""
-        at = self.entry_at(checkpoint)
+        at = self.saves.entry_at(checkpoint)
         if at is None or not _plain(self.trainer):
             return original(checkpoint, model)
-        chain, step = at
-        if entries.normalize(chain.url) == entries.normalize(self.chain_url) \
-                and self.trainer.args.should_save:
-            run = self.run_for()
-            with run.lock:
-                state = run.ckpt.load(step, "cpu")
-        else:
-            state, _ = chain.load(step, map_location="cpu", keep_words=False)
+        state = self.saves.load(at, resuming=self.trainer.args.should_save)
         self._resumed = (os.path.abspath(checkpoint), state.get("optimizer"))
         self._apply(model if model is not None else self.trainer.model, state["model"])
 
@@ -356,14 +231,10 @@ class Checkpoints:
         if resumed is not None and resumed[0] == os.path.abspath(str(checkpoint)):
             optimizer = resumed[1]  # read with the weights: the entry is not read again
         else:
-            at = self.entry_at(checkpoint)
+            at = self.saves.entry_at(checkpoint)
             if at is None:
                 return original(checkpoint)
-            chain, step = at
-            skeleton = chain.manifest(step).skeleton
-            optimizer = chain.load(step, map_location="cpu", keep_words=False,
-                                   within="optimizer")[0] \
-                if "optimizer" in tree.keys(skeleton) else None
+            optimizer = self.saves.load(at, resuming=False, within="optimizer")
         scheduler = os.path.join(str(checkpoint), SCHEDULER)
         if optimizer is None or not os.path.isfile(scheduler):
             return  # the Trainer loads neither then
@@ -374,13 +245,13 @@ class Checkpoints:
         importlib.import_module("transformers.trainer_pt_utils").reissue_pt_warnings(caught)
 
     def load_best(self, original: Callable[..., Any]) -> None:
-        """``Trainer._load_best_model``: the best checkpoint's weights from the chain."""
-        at = self.entry_at(self.trainer.state.best_model_checkpoint)
+        """``Trainer._load_best_model``: the best checkpoint's weights from the chain. Every
+        save commits first: the ``Trainer`` deletes checkpoints right after this returns."""
+        self.saves.wait()
+        at = self.saves.entry_at(self.trainer.state.best_model_checkpoint)
         if at is None or not _plain(self.trainer):
             return original()
-        chain, step = at
-        weights, _ = chain.load(step, map_location="cpu", keep_words=False, within="model")
-        self._apply(self.trainer.model, weights)
+        self._apply(self.trainer.model, self.saves.load(at, resuming=False, within="model"))
 
     def _apply(self, model: Any, weights: dict[str, torch.Tensor]) -> None:
         """Load ``weights`` into ``model`` as the ``Trainer`` loads a weight file: an adapter
@@ -391,10 +262,6 @@ class Checkpoints:
             set_peft_model_state_dict(model, weights, adapter_name=model.active_adapters[0])
             return
         self.trainer._issue_warnings_after_load(model.load_state_dict(weights, False))
-
-    def last_checkpoint(self) -> str | None:
-        """The newest ``checkpoint-N`` folder a resume can read (``hf_folders``)."""
-        return hf_folders.last_checkpoint(self.output_dir)
 
     def train(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``: ``resume_from_checkpoint=True`` resumes from the newest
@@ -429,29 +296,38 @@ HOOKS = {"_save_checkpoint": "save_checkpoint", "_save": "save_weights",
 
 
 def attach(trainer: Any, **settings: Any) -> Any:
-    """Store ``trainer``'s checkpoints in a tpde chain; returns the trainer.
+    """Store the checkpoints of a ``Trainer`` or an ``Accelerator`` in a tpde chain; returns
+    the object.
 
     Works for ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ...),
-    whatever else they override: the hooks wrap the trainer's own methods. ``save_model()``
-    and ``push_to_hub()`` still write plain Hugging Face files.
+    whatever else they override, and for ``accelerate.Accelerator``'s ``save_state`` and
+    ``load_state``: the hooks wrap the object's own methods. ``save_model()`` and
+    ``push_to_hub()`` still write plain Hugging Face files.
 
     Args:
-        trainer: the trainer, before ``train``.
+        trainer: the trainer (before ``train``) or the accelerator.
         **settings: ``Checkpoints``' (``chain``, ``storage_options``, ``async_save``,
-            ``max_pending``) and the save settings of ``Checkpointer``.
+            ``max_pending``, ``link_unchanged``) and the save settings of ``Checkpointer``.
 
     Returns:
-        ``trainer``, with ``trainer.tpde`` (its ``Checkpoints``: reports, ``wait``).
+        ``trainer``, with ``trainer.tpde`` (its ``Checkpoints``, or for an accelerator its
+        ``AcceleratorCheckpoints``: reports, ``wait``).
 
     Example:
         >>> trainer = tpde.hf.attach(Trainer(model, args, train_dataset=data))
         >>> trainer.train()
         >>> trainer.train(resume_from_checkpoint=True)  # in a later run
+        >>> accelerator = tpde.hf.attach(Accelerator(project_config=config))
     """
-    if isinstance(getattr(trainer, "tpde", None), Checkpoints):
-        raise TPDEError("this trainer is attached already; attach it once")
-    hooks = Checkpoints(trainer, **settings)
-    for name, through in HOOKS.items():
+    if isinstance(getattr(trainer, "tpde", None), (Checkpoints, AcceleratorCheckpoints)):
+        raise TPDEError("this object is attached already; attach it once")
+    accelerate = sys.modules.get("accelerate")
+    if accelerate is not None and isinstance(trainer, accelerate.Accelerator):
+        hooks: Any = AcceleratorCheckpoints(trainer, **settings)
+        wrapped = ACCELERATOR_HOOKS
+    else:
+        hooks, wrapped = Checkpoints(trainer, **settings), HOOKS
+    for name, through in wrapped.items():
         original = getattr(trainer, name)
         setattr(trainer, name, types.MethodType(_hooked(getattr(hooks, through), original),
                                                 trainer))
@@ -467,4 +343,4 @@ def _hooked(through: Callable[..., Any], original: Callable[..., Any]) -> Callab
     return hooked
 
 
-__all__ = ["Checkpoints", "attach"]
+__all__ = ["AcceleratorCheckpoints", "Checkpoints", "attach"]

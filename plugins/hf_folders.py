@@ -28,9 +28,13 @@ from typing import Iterator
 from tpde.entries import entry as entries
 from tpde.errors import TPDEError
 
+#: The ``Trainer``'s checkpoint folders, and Accelerate's (``save_state`` with automatic naming).
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+ACCELERATE_CHECKPOINT = re.compile(r"^checkpoint_(\d+)$")
+#: The file the ``Trainer`` writes last into a checkpoint folder; Accelerate's always-there one.
 TRAINER_STATE = "trainer_state.json"
-#: The weight files of a plain checkpoint folder, one of which the ``Trainer`` resumes from.
+ACCELERATE_STATE = "random_states_0.pkl"
+#: The weight files of a plain checkpoint folder, one of which a resume reads.
 PLAIN_WEIGHTS = {"model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin"}
 #: Where a link is made before it replaces a file (a crash leaves at most this behind; the
@@ -38,22 +42,24 @@ PLAIN_WEIGHTS = {"model.safetensors", "model.safetensors.index.json", "pytorch_m
 LINKING = ".tpde-linking"
 
 
-def checkpoints(output_dir: str) -> list[str]:
-    """The ``checkpoint-N`` folders in ``output_dir``, newest step first."""
+def checkpoints(output_dir: str, pattern: re.Pattern[str] = CHECKPOINT) -> list[str]:
+    """The checkpoint folders (names ``pattern`` matches, its group the step) in
+    ``output_dir``, newest step first."""
     if not os.path.isdir(output_dir):
         return []
     found = [n for n in os.listdir(output_dir)
-             if CHECKPOINT.match(n) and os.path.isdir(os.path.join(output_dir, n))]
+             if pattern.match(n) and os.path.isdir(os.path.join(output_dir, n))]
     return [os.path.join(output_dir, n)
-            for n in sorted(found, key=lambda n: -int(CHECKPOINT.match(n).group(1)))]
+            for n in sorted(found, key=lambda n: -int(pattern.match(n).group(1)))]
 
 
-def last_checkpoint(output_dir: str) -> str | None:
-    """The newest ``checkpoint-N`` folder a resume can read: one whose save committed (a save
-    cut short leaves its folder without a committed entry) or a plain one with its weight
-    files."""
-    for folder in checkpoints(output_dir):
-        if not os.path.isfile(os.path.join(folder, TRAINER_STATE)):
+def last_checkpoint(output_dir: str, pattern: re.Pattern[str] = CHECKPOINT,
+                    needs: str = TRAINER_STATE) -> str | None:
+    """The newest checkpoint folder a resume can read: one with the file ``needs``, and whose
+    save committed (a save cut short leaves its folder without a committed entry) or a plain
+    one with its weight files."""
+    for folder in checkpoints(output_dir, pattern):
+        if not os.path.isfile(os.path.join(folder, needs)):
             continue
         path = os.path.join(folder, entries.FOLDER_ENTRY)
         if not os.path.exists(path):
@@ -69,14 +75,15 @@ def last_checkpoint(output_dir: str) -> str | None:
     return None
 
 
-def previous(folder: str) -> str | None:
-    """The checkpoint folder of the highest step below ``folder``'s, beside it."""
-    match = CHECKPOINT.match(os.path.basename(folder))
+def previous(folder: str, pattern: re.Pattern[str] = CHECKPOINT) -> str | None:
+    """The checkpoint folder of the highest step below ``folder``'s, beside it (None where
+    ``folder``'s name is not a checkpoint's)."""
+    match = pattern.match(os.path.basename(folder))
     if match is None:
         return None
     step = int(match.group(1))
-    for other in checkpoints(os.path.dirname(folder)):
-        if int(CHECKPOINT.match(os.path.basename(other)).group(1)) < step:
+    for other in checkpoints(os.path.dirname(folder), pattern):
+        if int(pattern.match(os.path.basename(other)).group(1)) < step:
             return other
     return None
 

@@ -11,7 +11,6 @@ Plugins of one process share one writer per folder (``tpde.plugins.writers``).
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
 import logging
 import os
 import threading
@@ -28,7 +27,7 @@ from tpde.entries import entry as entries
 from tpde.errors import TPDEError
 from tpde.plugins import pending, trainer_state, writers
 from tpde.plugins.ledger import Ledger, SaveReport
-from tpde.plugins.worker import Job, Worker
+from tpde.plugins.worker import Job, Worker, finish_at_exit
 from tpde.runtime import frame_threads
 
 log = logging.getLogger("tpde.lightning")
@@ -108,7 +107,7 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
         weakref.finalize(self, writers.forget, self._used)
         self._asked = 0  # saves and removals asked for, in order
         self._removed: dict[str, int] = {}  # path -> when it was last removed (of _asked)
-        _LIVE.add(self)
+        finish_at_exit(self, TPDECheckpointIO.wait)
 
     # ------------------------------------------------------------------ the contract
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -332,20 +331,3 @@ class TPDECheckpointIO(_BASES[0]):  # type: ignore[misc, valid-type]
 
 for _other in _BASES[1:]:
     _other.register(TPDECheckpointIO)  # type: ignore[attr-defined]
-
-_LIVE: "weakref.WeakSet[TPDECheckpointIO]" = weakref.WeakSet()
-
-
-def _finish() -> None:
-    """Saves still queued at interpreter exit (a ``Trainer`` fitting in a thread of its own)
-    are completed, not lost."""
-    for plugin in list(_LIVE):
-        try:
-            plugin.wait()
-        except BaseException as exc:  # nobody is left to raise it to
-            log.error("tpde: a background checkpoint failed at exit: %s", exc)
-
-
-# Before the interpreter stops its thread pools (which the background saves encode on), not
-# after: an ``atexit`` function runs too late to save anything.
-threading._register_atexit(_finish)  # type: ignore[attr-defined]

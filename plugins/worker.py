@@ -8,9 +8,12 @@ kept and raised by the next ``raise_deferred`` or ``wait``.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its exit hook is registered before ours)
+import logging
 import threading
+import weakref
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 Job = Callable[[bool], None]
 
@@ -74,3 +77,27 @@ class Worker:
                 if self._error is None:
                     self._error = exc
             del job  # a save's job holds the state's snapshot
+
+
+log = logging.getLogger("tpde")
+_AT_EXIT: "weakref.WeakKeyDictionary[Any, Callable[[Any], None]]" = weakref.WeakKeyDictionary()
+
+
+def finish_at_exit(owner: Any, finish: Callable[[Any], None]) -> None:
+    """Call ``finish(owner)`` at interpreter exit if ``owner`` is still alive then: saves still
+    queued (a script that saves last and ends, a trainer fitting in a thread of its own) are
+    committed, not lost."""
+    _AT_EXIT[owner] = finish  # not a closure over ``owner``: that would keep it alive
+
+
+def _finish() -> None:
+    for owner, finish in list(_AT_EXIT.items()):
+        try:
+            finish(owner)
+        except BaseException as exc:  # nobody is left to raise it to
+            log.error("tpde: a background checkpoint failed at exit: %s", exc)
+
+
+# Before the interpreter stops its thread pools (which the background saves encode on), not
+# after: an ``atexit`` function runs too late to save anything.
+threading._register_atexit(_finish)  # type: ignore[attr-defined]

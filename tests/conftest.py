@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from typing import Any, Iterator
+
+# The checkout's top-level folders ``kernels/`` and ``plugins/`` are ``tpde.kernels`` and
+# ``tpde.plugins`` (the editable install maps them): on ``sys.path`` (``python -m pytest`` and
+# pytest-xdist's workers put the working directory there) they would shadow packages of those
+# names, such as Hugging Face's ``kernels`` that transformers imports.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import pytest
 from hypothesis import HealthCheck, settings

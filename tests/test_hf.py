@@ -152,6 +152,12 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(tmp_path) -> None:
         os.path.basename(stock.state.best_model_checkpoint))
     assert not trainer.state.best_model_checkpoint.endswith("checkpoint-12")
     assert difference(outcome(stock)["weights"], outcome(trainer)["weights"]) is None
+    # The Trainer deleted the newest checkpoint as training ended: its step is freed too.
+    names = [n for n in os.listdir(tmp_path / "tpde") if n.startswith("checkpoint-")]
+    assert names == [os.path.basename(trainer.state.best_model_checkpoint)]
+    chain = tpde.Checkpointer(str(tmp_path / "tpde" / ".tpde")).chain
+    assert len(chain.steps()) == 1
+    assert held_bytes(str(tmp_path / "tpde")) < held_bytes(str(tmp_path / "stock"))
 
 
 def test_save_only_model_stores_the_weights_alone(tmp_path) -> None:

@@ -14,7 +14,6 @@ import os
 import pickle
 import subprocess
 import sys
-import textwrap
 import threading
 from functools import partial
 from typing import Any

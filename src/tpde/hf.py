@@ -1,6 +1,7 @@
-"""Hugging Face's ``Trainer`` (and TRL's trainers built on it) with tpde checkpoints:
-``trainer = tpde.hf.attach(Trainer(...))``; see ``docs/hf.md``."""
+"""Hugging Face's ``Trainer`` (and TRL's trainers built on it) and Accelerate's
+``save_state``/``load_state`` with tpde checkpoints: ``trainer = tpde.hf.attach(Trainer(...))``,
+``accelerator = tpde.hf.attach(Accelerator(...))``; see ``docs/hf.md``."""
 
-from tpde.plugins.hf import Checkpoints, attach
+from tpde.plugins.hf import AcceleratorCheckpoints, Checkpoints, attach
 
-__all__ = ["Checkpoints", "attach"]
+__all__ = ["AcceleratorCheckpoints", "Checkpoints", "attach"]

@@ -73,7 +73,8 @@ def _ours(name: str) -> bool:
 def write_plain(state: dict[str, Any], source: str | None, output: str,
                 storage_options: dict[str, Any] | None = None) -> list[str]:
     """Write a plain checkpoint folder at ``output`` (a new folder, made whole or not at all):
-    the weight files and the optimizer's file from ``state``, and every other file of the
+    the weight files (safetensors, or ``torch.save`` for a ``.bin`` one) and the optimizer's
+    file from ``state``, and every other file of the
     checkpoint folder ``source`` (an fsspec URL; None: none) as it is there. The names of the
     files written, in order.
     """
@@ -94,8 +95,11 @@ def write_plain(state: dict[str, Any], source: str | None, output: str,
                         f.write(folder.read(name, found.size))
                     written.append(name)
         for file, (tensors, metadata) in weights.items():
-            save_file({k: v.contiguous() for k, v in tensors.items()},
-                      os.path.join(partial, file), metadata=metadata)
+            if file.endswith(".safetensors"):
+                save_file({k: v.contiguous() for k, v in tensors.items()},
+                          os.path.join(partial, file), metadata=metadata)
+            else:  # a torch.save weight file (``pytorch_model.bin``)
+                torch.save(tensors, os.path.join(partial, file))
             written.append(file)
         if optimizer_file is not None:
             torch.save(state["optimizer"], os.path.join(partial, optimizer_file))
